@@ -21,14 +21,19 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.float()
+        h = x.to(torch.promote_types(dtype, torch.float32))  # fp32, or fp64 for fp64 checks
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    """Inverse frequencies of rotary embedding, with Llama-3 style scaling when configured."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse frequencies of rotary embedding, with Llama-3 style scaling when configured.
+
+    float32 reproduces transformers' tables bit for bit; float64 serves exact fp64 checks."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
     if not scaling:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -60,9 +65,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        self.__dict__["inv_freq64"] = rope_inv_freq(head_dim, theta, scaling, torch.float64)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.float().to(positions.device)
+        """Angles in fp32 (as transformers computes them), or in fp64 for fp64 outputs."""
+        if dtype == torch.float64:
+            inv, acc = self.__dict__["inv_freq64"], torch.float64
+        else:
+            inv, acc = self.inv_freq.float(), torch.float32
+        freqs = positions.to(acc)[..., None] * inv.to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
