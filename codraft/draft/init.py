@@ -1,0 +1,51 @@
+"""A new (untrained) EAGLE-3 draft for a target: geometry from the target, vocab from counts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from codraft.draft.checkpoint import DraftMeta, save_draft
+from codraft.draft.config import DraftConfig
+from codraft.draft.model import Eagle3Draft
+from codraft.draft.vocab import build_draft_vocab
+from codraft.models.config import TargetConfig
+
+
+def new_draft(
+    target: TargetConfig,
+    token_counts: torch.Tensor | None = None,
+    *,
+    draft_vocab_size: int | None = None,
+    tap_layers: Sequence[int] | None = None,
+    dtype: str = "float32",
+    seed: int = 0,
+) -> Eagle3Draft:
+    """A freshly initialised draft. With `token_counts` ([target vocab] int) its vocabulary is
+    the most frequent tokens; without, the first `draft_vocab_size` ids."""
+    cfg = DraftConfig.from_target(
+        target, draft_vocab_size=draft_vocab_size, tap_layers=tap_layers, dtype=dtype
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Eagle3Draft(cfg)
+    if token_counts is not None:
+        model.set_vocab(*build_draft_vocab(token_counts, cfg.draft_vocab_size))
+    return model
+
+
+def write_new_draft(
+    out_dir: str | Path,
+    target_dir: str | Path,
+    token_counts: torch.Tensor | None = None,
+    *,
+    version: int = 0,
+    overwrite: bool = False,
+    **kwargs,
+) -> Path:
+    """`new_draft` for the target folder `target_dir`, saved as checkpoint `out_dir`."""
+    target = TargetConfig.from_pretrained(target_dir)
+    model = new_draft(target, token_counts, **kwargs)
+    return save_draft(out_dir, model, DraftMeta(version=version), overwrite=overwrite)
