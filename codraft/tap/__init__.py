@@ -1,0 +1,57 @@
+"""The tap wire format `codraft.tap.v1` (DESIGN.md section 7), shared by the ZeroMQ stream and
+recorded tap files: one message definition, `encode`/`decode`, and the file format around it."""
+
+from codraft.tap.fingerprint import FINGERPRINT_FIELDS, model_fingerprint
+from codraft.tap.message import (
+    DEFAULT_LIMITS,
+    DTYPES,
+    MAGIC,
+    MODES,
+    NUM_FRAMES,
+    REASONS,
+    SCHEMA_VERSION,
+    TapExpectation,
+    TapHeader,
+    TapLimits,
+    TapMessage,
+    TapRejected,
+    decode,
+    encode,
+)
+from codraft.tap.recording import (
+    FILE_MAGIC,
+    ReadStats,
+    TapDataset,
+    TapFileError,
+    TapPosition,
+    TapWriter,
+    list_tap_files,
+    read_taps,
+)
+
+__all__ = [
+    "FINGERPRINT_FIELDS",
+    "DEFAULT_LIMITS",
+    "DTYPES",
+    "FILE_MAGIC",
+    "MAGIC",
+    "MODES",
+    "NUM_FRAMES",
+    "REASONS",
+    "SCHEMA_VERSION",
+    "ReadStats",
+    "TapDataset",
+    "TapExpectation",
+    "TapFileError",
+    "TapHeader",
+    "TapLimits",
+    "TapMessage",
+    "TapPosition",
+    "TapRejected",
+    "TapWriter",
+    "decode",
+    "encode",
+    "list_tap_files",
+    "model_fingerprint",
+    "read_taps",
+]

@@ -1,0 +1,123 @@
+"""The teacher: head-only loading, exact match with TargetModel.head, draft-vocab targets,
+and recompute of taps over packed batches."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import learner.teacher as teacher_mod
+from codraft.draft.vocab import ids_to_maps
+from codraft.models.llama import load_target
+from learner.data import Sample, pack
+from learner.teacher import Teacher, load_head
+
+TAPS = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir: Path):
+    return load_target(tiny_llama_dir)
+
+
+def hidden(n: int, H: int = 64, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, H, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_streamed_logits_equal_target_head_exactly(tiny_llama_dir: Path, target) -> None:
+    t = Teacher.from_pretrained(tiny_llama_dir)
+    assert t.mode == "streamed" and t.target is None
+    h = hidden(30)
+    assert torch.equal(t.logits(h), target.head(h))
+    h3 = h.view(3, 10, 64)
+    assert torch.equal(t.logits(h3), target.head(h3))
+    # smaller chunks: BLAS may round a few rows differently by an ulp, nothing more
+    t.chunk_tokens = 7
+    torch.testing.assert_close(t.logits(h), target.head(h), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="hidden size"):
+        t.logits(torch.zeros(3, 65))
+    with pytest.raises(RuntimeError, match="recompute"):
+        t.recompute(pack([Sample(torch.arange(4))]), TAPS)
+
+
+def test_head_is_loaded_alone(tiny_llama_dir: Path, monkeypatch) -> None:
+    read: list[str] = []
+    real = teacher_mod.safe_open
+
+    class Spy:
+        def __init__(self, *a, **kw):
+            self.f = real(*a, **kw)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self.inner.get_tensor(key)
+
+    monkeypatch.setattr(teacher_mod, "safe_open", Spy)
+    load_head(tiny_llama_dir)
+    assert sorted(read) == ["lm_head.weight", "model.norm.weight"]
+
+
+def test_tied_embeddings_use_embed_tokens(tiny_llama_dir: Path, tmp_path: Path, target) -> None:
+    tied = tmp_path / "tied"
+    shutil.copytree(tiny_llama_dir, tied)
+    cfg = json.loads((tied / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    (tied / "config.json").write_text(json.dumps(cfg))
+    state = load_file(tied / "model.safetensors")
+    state.pop("lm_head.weight")
+    save_file(state, tied / "model.safetensors", metadata={"format": "pt"})
+    norm, head = load_head(tied)
+    assert torch.equal(head.weight, target.embed_tokens.weight)
+    tied_target = load_target(tied)
+    h = hidden(9)
+    assert torch.equal(Teacher(norm, head).logits(h), tied_target.head(h))
+
+
+def test_draft_targets_match_dense_softmax(tiny_llama_dir: Path, target) -> None:
+    t = Teacher.from_pretrained(tiny_llama_dir, chunk_tokens=8)
+    V = t.vocab_size
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:100].sort().values
+    _, t2d = ids_to_maps(ids, V)
+    h = hidden(20, seed=2)
+    p = t.draft_targets(h, t2d)
+    assert p.shape == (20, 100) and p.dtype == torch.float32
+    torch.testing.assert_close(p.sum(-1), torch.ones(20), rtol=0, atol=1e-6)
+    dense = target.head(h)[..., t2d].float().softmax(-1)
+    torch.testing.assert_close(p, dense, rtol=1e-6, atol=1e-7)
+    _, t2d_full = ids_to_maps(torch.arange(V), V)
+    torch.testing.assert_close(t.draft_targets(h, t2d_full), target.head(h).softmax(-1))
+    with pytest.raises(ValueError, match="bool mask"):
+        t.draft_targets(h, ids)
+
+
+def test_recompute_over_packed_batch(target) -> None:
+    t = Teacher.from_model(target)
+    assert t.mode == "recompute"
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(0, 512, (n,), generator=g) for n in (5, 12, 3)]
+    batch = pack([Sample(d) for d in docs], pad_multiple=4)
+    out = t.recompute(batch, TAPS, return_logits=True)
+    filled = t.fill(batch, TAPS)
+    valid = batch.valid
+    assert not filled.taps[~valid].any() and not filled.last_hidden[~valid].any()
+    for d, a, n in zip(docs, batch.cu_seqlens[:-1].tolist(), batch.doc_lens.tolist(), strict=True):
+        ref = target(d[None], tap_layers=TAPS)
+        torch.testing.assert_close(out.taps[a : a + n], ref.taps[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(filled.last_hidden[a : a + n], ref.last_hidden[0])
+        torch.testing.assert_close(out.logits[a : a + n], ref.logits[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.logits, target.head(out.last_hidden))
