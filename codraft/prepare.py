@@ -143,3 +143,15 @@ def prepare_smollm2(out: Path | None = None, *, force: bool = False) -> Prepared
     steps.update()
     steps.close()
     return PreparedModel(out, gguf_sha, weights_sha, True)
+
+
+def resolve_model(name: str | Path) -> Path:
+    """'smollm2' (prepared on first use) or a transformers model folder."""
+    if str(name) == "smollm2":
+        return prepare_smollm2().path
+    path = Path(name)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {str(name)!r}: expected 'smollm2' or a folder with config.json"
+        )
+    return path.resolve()

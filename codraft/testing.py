@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 STAMP_FILE = "codraft_tiny.json"
 STAMP_VERSION = 2
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
@@ -290,3 +292,59 @@ def _install(tmp: Path, out: Path) -> None:
         stale.unlink()
     for f in sorted(tmp.iterdir(), key=lambda p: p.name == STAMP_FILE):
         os.replace(f, out / f.name)
+
+
+# ---------------------------------------------------------------------------- agreeing pair
+# A target that always predicts one token and a draft built to predict it: with a correct weight
+# layout and vocab mapping nearly every proposal is accepted (vLLM or the offline estimator).
+CONSTANT_TOKEN = 300
+
+
+def make_constant_target(src: Path, dst: Path) -> Path:
+    """Copy of `src` whose greedy next token is always CONSTANT_TOKEN.
+
+    Every layer's o_proj and down_proj are zero, so the residual stream is the embedding; every
+    embedding gets +4 in dimension 0, so the normed last hidden state is positive there; lm_head
+    is zero except row CONSTANT_TOKEN, which reads dimension 0.
+    """
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    w = load_file(str(src / "model.safetensors"))
+    for name in w:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name] = torch.zeros_like(w[name])
+    w["model.embed_tokens.weight"][:, 0] = 4.0
+    head = torch.zeros_like(w["lm_head.weight"])
+    head[CONSTANT_TOKEN, 0] = 10.0
+    w["lm_head.weight"] = head
+    save_file(w, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def make_agreeing_draft(target: Path, out: Path, *, misplace: bool = False) -> Path:
+    """A draft that predicts CONSTANT_TOKEN whatever it is given (see make_constant_target).
+
+    fc copies dimension 0 of the first tap (the embedding, +4) into h; the midlayer's o_proj and
+    down_proj are zero, so every pass's prenorm keeps it; lm_head's row for CONSTANT_TOKEN reads it.
+    The draft vocab is 64 scattered ids, so CONSTANT_TOKEN sits at a draft id with d2t != 0.
+    """
+    from codraft.draft.checkpoint import DraftMeta, save_draft
+    from codraft.draft.init import new_draft
+    from codraft.models.config import TargetConfig
+
+    cfg = TargetConfig.from_pretrained(target)
+    counts = torch.zeros(cfg.vocab_size, dtype=torch.int64)
+    counts[torch.arange(5, cfg.vocab_size, 7)] = 1
+    counts[CONSTANT_TOKEN] = 100
+    model = new_draft(cfg, counts, draft_vocab_size=64)
+    sd = model.state_dict()
+    draft_id = int(torch.nonzero(model.draft_to_target_ids() == CONSTANT_TOKEN))
+    assert int(model.d2t[draft_id]) != 0, "the test must exercise a non-zero d2t offset"
+    with torch.no_grad():
+        for name, t in sd.items():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "fc.weight", "lm_head.weight")):
+                t.zero_()
+        sd["fc.weight"][0, 0] = 1.0
+        sd["lm_head.weight"][draft_id - 1 if misplace else draft_id, 0] = 10.0
+    return save_draft(out, model, DraftMeta(version=1))

@@ -27,24 +27,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/generate", help="folder for results")
 
 
-def _resolve_target(name: str) -> Path:
-    if name == "smollm2":
-        from codraft.prepare import prepare_smollm2
-
-        return prepare_smollm2().path
-    path = Path(name)
-    if not (path / "config.json").is_file():
-        raise SystemExit(f"--target {name!r}: expected 'smollm2' or a folder with config.json")
-    return path.resolve()
-
-
 def main(args: argparse.Namespace) -> int:
+    from codraft.prepare import resolve_model
     from codraft.prompts import reasoning_prompts
     from server.offline import ArmSpec, run_arm_subprocess
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    target = _resolve_target(args.target)
+    target = resolve_model(args.target)
     prompts = [p.question for p in reasoning_prompts(args.prompts, dataset=args.dataset)]
     common = dict(
         target=str(target),

@@ -44,6 +44,7 @@ class ArmResult:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    prompt_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -141,6 +142,7 @@ def run_arm(spec: ArmSpec) -> ArmResult:
         load_s=load_s,
         generate_s=generate_s,
         output_tokens=sum(len(t) for t in token_ids),
+        prompt_token_ids=[list(o.prompt_token_ids or []) for o in outs],
         **counters,
     )
 

@@ -10,16 +10,13 @@ Each engine runs in its own process (server.offline), fp32, greedy. Two facts ar
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
-from codraft.draft.checkpoint import DraftMeta, save_draft
-from codraft.draft.init import new_draft, write_new_draft
-from codraft.models.config import TargetConfig
+from codraft.draft.init import write_new_draft
+from codraft.testing import CONSTANT_TOKEN as CONSTANT
+from codraft.testing import make_agreeing_draft, make_constant_target
 from server.offline import ArmSpec, run_arm_subprocess
 
 pytestmark = pytest.mark.vllm
@@ -33,7 +30,6 @@ PROMPTS = [
     "In the beginning",
 ]
 K = 3
-CONSTANT = 300  # the token the constant target always predicts
 
 
 def _arm(tmp: Path, target: Path, draft: Path | None, **kw) -> object:
@@ -48,50 +44,6 @@ def _arm(tmp: Path, target: Path, draft: Path | None, **kw) -> object:
         **kw,
     )
     return run_arm_subprocess(spec, tmp / "arms", timeout=600)
-
-
-def _constant_target(src: Path, dst: Path) -> Path:
-    """Copy of `src` whose greedy next token is always CONSTANT.
-
-    Every layer's o_proj and down_proj are zero, so the residual stream is the embedding; every
-    embedding gets +4 in dimension 0, so the normed last hidden state is positive there; lm_head
-    is zero except row CONSTANT, which reads dimension 0.
-    """
-    shutil.copytree(src, dst)
-    w = load_file(str(src / "model.safetensors"))
-    for name in w:
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            w[name] = torch.zeros_like(w[name])
-    w["model.embed_tokens.weight"][:, 0] = 4.0
-    head = torch.zeros_like(w["lm_head.weight"])
-    head[CONSTANT, 0] = 10.0
-    w["lm_head.weight"] = head
-    save_file(w, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
-
-def _agreeing_draft(target: Path, out: Path, *, misplace: bool = False) -> Path:
-    """A draft that predicts CONSTANT whatever it is given (see _constant_target).
-
-    fc copies dimension 0 of the first tap (the embedding, +4) into h; the midlayer's o_proj and
-    down_proj are zero, so every pass's prenorm keeps it; lm_head's row for CONSTANT reads it.
-    The draft vocab is 64 scattered ids, so CONSTANT sits at a draft id with d2t != 0.
-    """
-    cfg = TargetConfig.from_pretrained(target)
-    counts = torch.zeros(cfg.vocab_size, dtype=torch.int64)
-    counts[torch.arange(5, cfg.vocab_size, 7)] = 1
-    counts[CONSTANT] = 100
-    model = new_draft(cfg, counts, draft_vocab_size=64)
-    sd = model.state_dict()
-    draft_id = int(torch.nonzero(model.draft_to_target_ids() == CONSTANT))
-    assert int(model.d2t[draft_id]) != 0, "the test must exercise a non-zero d2t offset"
-    with torch.no_grad():
-        for name, t in sd.items():
-            if name.endswith(("o_proj.weight", "down_proj.weight", "fc.weight", "lm_head.weight")):
-                t.zero_()
-        sd["fc.weight"][0, 0] = 1.0
-        sd["lm_head.weight"][draft_id - 1 if misplace else draft_id, 0] = 10.0
-    return save_draft(out, model, DraftMeta(version=1))
 
 
 @pytest.fixture(scope="module")
@@ -110,16 +62,16 @@ def test_untrained_draft_is_lossless(tiny_llama_dir: Path, tmp_path: Path, basel
 
 
 def test_agreeing_draft_is_accepted(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    target = _constant_target(tiny_llama_dir, tmp_path / "constant-target")
+    target = make_constant_target(tiny_llama_dir, tmp_path / "constant-target")
     base = _arm(tmp_path, target, None)
     assert all(t == [CONSTANT] * 24 for t in base.token_ids), "constant target is not constant"
 
-    good = _arm(tmp_path, target, _agreeing_draft(target, tmp_path / "good"))
+    good = _arm(tmp_path, target, make_agreeing_draft(target, tmp_path / "good"))
     assert good.token_ids == base.token_ids
     accepted_rate = good.num_accepted_tokens / good.num_draft_tokens
     assert accepted_rate > 0.9, f"agreeing draft accepted only {accepted_rate:.0%} of proposals"
     assert good.acceptance_length > 0.9 * (K + 1)
 
-    bad = _arm(tmp_path, target, _agreeing_draft(target, tmp_path / "bad", misplace=True))
+    bad = _arm(tmp_path, target, make_agreeing_draft(target, tmp_path / "bad", misplace=True))
     assert bad.token_ids == base.token_ids
     assert bad.num_accepted_tokens / bad.num_draft_tokens < 0.1
