@@ -230,3 +230,17 @@ class Teacher:
             taps=out.taps.masked_fill(pad, 0),
             last_hidden=out.last_hidden.masked_fill(pad, 0),
         )
+
+
+def load_embedding(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """The target's token embedding [V, H] alone (the EAGLE-3 draft shares it, frozen)."""
+    path = Path(path)
+    cfg = TargetConfig.from_pretrained(path)
+    w = _read_tensor(
+        path,
+        ("model.embed_tokens.weight", "embed_tokens.weight"),
+        (cfg.vocab_size, cfg.hidden_size),
+    )
+    return w.to(device=device, dtype=dtype)

@@ -1,0 +1,116 @@
+"""Offline acceptance estimate: the mean accepted length of chain drafting under greedy
+verification, from a draft, a target and sequences the target produced greedily.
+
+For a sequence of prompt length P and length L (x[P..L-1] the target's greedy continuation),
+generation emits x[P] from prefill; then each verification step at anchor i (the last emitted
+position minus one) lets the draft propose k tokens by chaining its own outputs, accepts the
+longest prefix equal to the target's tokens x[i+2..], and emits it plus one bonus token. Pass d
+of a teacher-forced TTT forward at anchor i predicts x[i+d+1] from exactly the inputs chain
+drafting would have fed it whenever passes 1..d-1 were right, so the walk below reproduces the
+steps vLLM would take, without running vLLM. Acceptance length = tokens emitted / steps (what
+vLLM reports as 1 + accepted / drafts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from codraft.draft.model import Eagle3Draft
+from learner.attention.pass_attention import pass_attention
+from learner.data.packing import Sample, pack
+from learner.teacher import Teacher
+from learner.ttt import draft_passes
+
+
+@dataclass
+class AcceptanceReport:
+    k: int
+    steps: int = 0
+    emitted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # steps whose d-th proposal won
+    sequences: int = 0
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "k": self.k,
+            "steps": self.steps,
+            "emitted": self.emitted,
+            "sequences": self.sequences,
+            "acceptance_length": self.acceptance_length,
+            "accepted_per_pos": self.accepted_per_pos,
+        }
+
+
+def walk(hits: torch.Tensor, prompt_len: int, length: int, report: AcceptanceReport) -> None:
+    """Greedy verification steps over one sequence. hits [k, length] bool: hits[d-1, i] is
+    True when pass d at anchor i proposes x[i+d+1]."""
+    k = hits.shape[0]
+    i = prompt_len - 1  # x[P] came from prefill; the first step drafts x[P+1..]
+    while i + 2 <= length - 1:
+        remaining = length - 1 - (i + 1)  # tokens still to emit: x[i+2..L-1]
+        accepted = 0
+        while accepted < min(k, remaining) and bool(hits[accepted, i]):
+            accepted += 1
+        for d in range(accepted):
+            report.accepted_per_pos[d] += 1
+        emitted = min(accepted + 1, remaining)
+        report.steps += 1
+        report.emitted += emitted
+        i += emitted
+
+
+@torch.no_grad()
+def estimate_acceptance(
+    draft: Eagle3Draft,
+    teacher: Teacher,
+    sequences: Sequence[tuple[torch.Tensor, int]],
+    k: int = 3,
+    token_budget: int = 8192,
+) -> AcceptanceReport:
+    """sequences: (token ids [L], prompt length P) with x[P:] the target's greedy output.
+    `teacher` must be in recompute mode (it runs the target for the taps)."""
+    report = AcceptanceReport(k=k, accepted_per_pos=[0] * k)
+    was_training = draft.training
+    draft.eval()
+    device = teacher.device
+    to_target = draft.draft_to_target_ids().to(device)
+    batch: list[tuple[torch.Tensor, int]] = []
+
+    def run(items: list[tuple[torch.Tensor, int]]) -> None:
+        packed = pack([Sample(ids) for ids, _ in items]).to(device)
+        packed = teacher.fill(packed, draft.config.tap_layers)
+        ids = packed.input_ids
+        n = ids.shape[0]
+        hits = torch.zeros(k, n, dtype=torch.bool, device=device)
+        passes = draft_passes(
+            draft, ids, packed.positions, packed.cu_seqlens,
+            packed.taps.to(draft.fc.weight.dtype), pass_attention, k,
+        )  # fmt: skip
+        for d, logits in passes:
+            pred = to_target[logits.argmax(-1)]
+            idx = torch.arange(n, device=device) + d + 1
+            hits[d - 1] = pred == ids[idx.clamp(max=n - 1)]
+        cu = packed.cu_seqlens.tolist()
+        for j, (tokens, prompt_len) in enumerate(items):
+            a = cu[j]
+            walk(hits[:, a : a + len(tokens)].cpu(), prompt_len, len(tokens), report)
+            report.sequences += 1
+
+    for ids, prompt_len in sequences:
+        if len(ids) <= prompt_len + 1:
+            continue
+        if batch and sum(len(t) for t, _ in batch) + len(ids) > token_budget:
+            run(batch)
+            batch = []
+        batch.append((torch.as_tensor(ids, dtype=torch.int64), int(prompt_len)))
+    if batch:
+        run(batch)
+    draft.train(was_training)
+    return report

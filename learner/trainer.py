@@ -1,0 +1,210 @@
+"""The draft trainer: TTT steps over packed batches, AdamW with warmup + cosine decay, gradient
+clipping, bf16 autocast on GPU, checkpoints with resume (model, optimizer, step, data position).
+
+It takes batches from anywhere (recorded tap files, the live stream) and does not own the data
+loop: `Trainer.step(batch)` trains on one PackedBatch, `Trainer.save()` checkpoints, and
+`Trainer.resume()` restores the newest checkpoint and returns its saved data position.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from codraft.draft.checkpoint import DraftMeta
+from codraft.draft.init import new_draft
+from codraft.draft.model import Eagle3Draft
+from codraft.models.config import TargetConfig
+from codraft.tap.fingerprint import model_fingerprint
+from learner.attention.pass_attention import pass_attention
+from learner.checkpoints import CheckpointDir
+from learner.data.packing import PackedBatch
+from learner.teacher import Teacher, load_embedding
+from learner.ttt import TTTConfig, ttt_forward
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    total_steps: int = 2000  # length of the cosine schedule (training may stop earlier)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float = 0.5
+    num_passes: int = 3  # TTT passes K
+    pass_weights: tuple[float, ...] | None = None
+    token_budget: int = 4096
+    draft_vocab_size: int = 8192
+    tap_layers: tuple[int, ...] | None = None  # default: the target's (2, L//2, L-3)
+    device: str = "auto"  # "auto": cuda when available
+    autocast_bf16: bool = True  # on CUDA only
+    keep_checkpoints: int = 3
+    seed: int = 0
+    recompute: bool = False  # run the target here (ids-only data) instead of streamed features
+
+    def ttt(self) -> TTTConfig:
+        return TTTConfig(self.num_passes, self.pass_weights)
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int
+    pass_acc: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to cfg.lr, then cosine decay to cfg.lr * min_lr_ratio at total_steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.total_steps - cfg.warmup_steps)
+    t = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class Trainer:
+    def __init__(
+        self,
+        target_dir: str | Path,
+        out_dir: str | Path,
+        config: TrainConfig | None = None,
+        *,
+        token_counts: torch.Tensor | None = None,
+        draft: Eagle3Draft | None = None,
+        reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        self.cfg = cfg = config or TrainConfig()
+        self.target_dir = Path(target_dir)
+        self.device = pick_device(cfg.device)
+        self.target_config = TargetConfig.from_pretrained(self.target_dir)
+        self.fingerprint = model_fingerprint(self.target_config)
+        self.teacher = Teacher.from_pretrained(
+            self.target_dir, device=self.device, recompute=cfg.recompute
+        )
+        if draft is None:
+            torch.manual_seed(cfg.seed)
+            draft = new_draft(
+                self.target_config,
+                token_counts,
+                draft_vocab_size=min(cfg.draft_vocab_size, self.target_config.vocab_size),
+                tap_layers=cfg.tap_layers,
+                dtype="float32",
+                seed=cfg.seed,
+            )
+        self.draft = draft.to(self.device).train()
+        self.draft.set_embedding(load_embedding(self.target_dir, device=self.device))
+        self.opt = torch.optim.AdamW(
+            self.draft.parameters(),
+            lr=cfg.lr,
+            betas=cfg.betas,
+            weight_decay=cfg.weight_decay,
+        )
+        self.ckpt = CheckpointDir(out_dir, keep=cfg.keep_checkpoints)
+        self.reduce_counts = reduce_counts
+        self.step_count = 0
+        self.draft_version = 0
+        self.tokens_seen = 0
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        return self.draft.config.tap_layers
+
+    def step(self, batch: PackedBatch) -> StepMetrics:
+        """One optimizer step on a packed batch (features streamed, or recomputed here)."""
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        batch = batch.to(self.device)
+        if batch.taps is None or batch.last_hidden is None:
+            batch = self.teacher.fill(batch, self.tap_layers)
+        teacher = self.teacher.draft_targets(batch.last_hidden, self.draft.t2d)
+        lr = lr_at(self.step_count, cfg)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        use_bf16 = cfg.autocast_bf16 and self.device.type == "cuda"
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16):
+            out = ttt_forward(
+                self.draft,
+                batch.input_ids,
+                batch.positions,
+                batch.cu_seqlens,
+                batch.taps.to(self.draft.fc.weight.dtype),
+                batch.loss_mask,
+                pass_attention,
+                cfg.ttt(),
+                teacher,
+                self.reduce_counts,
+            )
+        self.opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), cfg.max_grad_norm)
+        self.opt.step()
+        self.step_count += 1
+        self.tokens_seen += int(batch.valid.sum())
+        acc = [
+            float(c) / max(1.0, float(v))
+            for c, v in zip(out.pass_correct, out.pass_valid, strict=True)
+        ]
+        return StepMetrics(
+            step=self.step_count,
+            loss=float(out.loss.detach()),
+            lr=lr,
+            grad_norm=float(grad_norm),
+            tokens=batch.num_tokens,
+            pass_acc=acc,
+            seconds=time.perf_counter() - t0,
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, data_position: Any = None, counters: dict | None = None) -> Path:
+        self.draft_version += 1
+        meta = DraftMeta(
+            version=self.draft_version,
+            parent_version=self.draft_version - 1 or None,
+            target_fingerprint=self.fingerprint,
+            counters={"step": self.step_count, "tokens": self.tokens_seen, **(counters or {})},
+        )
+        trainer = {
+            "draft": self.draft.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+        state = {
+            "draft_version": self.draft_version,
+            "tokens_seen": self.tokens_seen,
+            "data_position": data_position,
+            "config": {k: v for k, v in asdict(self.cfg).items()},
+        }
+        return self.ckpt.save(self.step_count, self.draft, meta, trainer, state)
+
+    def draft_dir(self, checkpoint: Path) -> Path:
+        return checkpoint / "draft"
+
+    def resume(self) -> Any:
+        """Restore the newest checkpoint, if any; returns its saved data position (or None)."""
+        got = self.ckpt.load_latest(self.device)
+        if got is None:
+            return None
+        self.draft.load_state_dict(got.trainer["draft"])
+        self.opt.load_state_dict(got.trainer["optimizer"])
+        torch.set_rng_state(got.trainer["rng"].cpu())
+        self.step_count = int(got.state["step"])
+        self.draft_version = int(got.state["draft_version"])
+        self.tokens_seen = int(got.state.get("tokens_seen", 0))
+        return got.state.get("data_position")

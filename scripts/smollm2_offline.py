@@ -1,0 +1,153 @@
+"""SmolLM2-135M on CPU: train an EAGLE-3 draft from scratch on SmolLM2's own answers to
+reasoning-gym prompts, then measure its acceptance length offline and inside vLLM.
+
+Stages (each reuses what the previous one wrote under --out):
+  data   greedy answers from vLLM (no speculation) to --train + --heldout prompts; the target's
+         taps and last hidden states of every answer, written as recorded tap files (the format
+         `codraft record` writes from a live server)
+  train  `codraft learn --from-dir` on those files
+  eval   the offline acceptance estimate on held-out prompts, then vLLM greedy generation on the
+         held-out prompts with and without the trained draft (tokens/s, acceptance, identity)
+
+    python scripts/smollm2_offline.py --out runs/smollm2 --stage all
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from codraft.models.config import TargetConfig
+from codraft.models.llama import load_target
+from codraft.prepare import resolve_model
+from codraft.prompts import reasoning_prompts
+from codraft.tap import TapMessage, TapWriter, model_fingerprint
+from server.offline import ArmResult, ArmSpec, run_arm_subprocess
+
+
+def stage_data(args: argparse.Namespace, target: Path, out: Path) -> None:
+    prompts = reasoning_prompts(args.train + args.heldout, seed=args.seed)
+    spec = ArmSpec(
+        target=str(target),
+        prompts=[p.question for p in prompts],
+        chat=True,
+        max_tokens=args.max_tokens,
+        max_num_seqs=32,
+    )
+    t0 = time.perf_counter()
+    res = run_arm_subprocess(spec, out / "arms", timeout=3600)
+    print(f"generated {res.output_tokens} tokens in {time.perf_counter() - t0:.0f}s")
+    (out / "answers.json").write_text(json.dumps(res.to_json()))
+    model = load_target(target)
+    cfg = TargetConfig.from_pretrained(target)
+    taps = cfg.default_tap_layers()
+    fp = model_fingerprint(cfg)
+    for split, lo, hi in (("train", 0, args.train), ("heldout", args.train, len(prompts))):
+        with TapWriter(out / f"taps-{split}") as w:
+            for i in range(lo, hi):
+                p_ids, a_ids = res.prompt_token_ids[i], res.token_ids[i]
+                ids = torch.tensor(p_ids + a_ids, dtype=torch.int64)
+                with torch.no_grad():
+                    o = model(ids[None], tap_layers=taps, return_logits=False)
+                msg = TapMessage.build(
+                    ids.to(torch.int32),
+                    taps=o.taps[0].contiguous(),
+                    last_hidden=o.last_hidden[0].contiguous(),
+                    tap_layers=taps,
+                    prompt_len=len(p_ids),
+                    request_id=f"{split}-{i}",
+                    fingerprint=fp,
+                )
+                w.write(msg)
+        print(f"wrote {hi - lo} {split} tap messages")
+
+
+def stage_train(args: argparse.Namespace, target: Path, out: Path) -> None:
+    cmd = [
+        sys.executable, "-m", "codraft.cli", "learn",
+        "--from-dir", str(out / "taps-train"), "--target", str(target),
+        "--out", str(out / "ckpt"), "--steps", str(args.steps), "--k", str(args.k),
+        "--lr", str(args.lr), "--save-every", str(max(1, args.steps // 4)),
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True)
+
+
+def stage_eval(args: argparse.Namespace, target: Path, out: Path) -> dict:
+    from codraft.draft.checkpoint import load_draft
+    from learner.acceptance import estimate_acceptance
+    from learner.teacher import Teacher, load_embedding
+
+    answers = ArmResult.from_json(json.loads((out / "answers.json").read_text()))
+    draft_dir = out / "ckpt" / (out / "ckpt" / "latest").read_text().strip() / "draft"
+    draft, meta = load_draft(draft_dir)
+    draft.set_embedding(load_embedding(target))
+    teacher = Teacher.from_pretrained(target, recompute=True)
+    held = range(args.train, args.train + args.heldout)
+    seqs = [
+        (torch.tensor(answers.prompt_token_ids[i] + answers.token_ids[i]),
+         len(answers.prompt_token_ids[i]))
+        for i in held
+    ]  # fmt: skip
+    est = estimate_acceptance(draft, teacher, seqs, k=args.k)
+    prompts = [answers.spec.prompts[i] for i in held]
+    common = dict(target=str(target), prompts=prompts, chat=True, max_tokens=args.max_tokens)
+    base = run_arm_subprocess(ArmSpec(**common), out / "arms")
+    spec = run_arm_subprocess(
+        ArmSpec(**common, draft=str(draft_dir), num_speculative_tokens=args.k), out / "arms"
+    )
+    report = {
+        "draft": str(draft_dir),
+        "draft_version": meta.version,
+        "train_prompts": args.train,
+        "heldout_prompts": args.heldout,
+        "k": args.k,
+        "estimated_acceptance_length": est.acceptance_length,
+        "estimated_accepted_per_pos": est.accepted_per_pos,
+        "estimated_steps": est.steps,
+        "vllm_acceptance_length": spec.acceptance_length,
+        "vllm_accepted_per_pos": spec.accepted_per_pos,
+        "vllm_num_drafts": spec.num_drafts,
+        "baseline_tokens_per_s": base.tokens_per_s,
+        "spec_tokens_per_s": spec.tokens_per_s,
+        "speedup": spec.tokens_per_s / base.tokens_per_s,
+        "identical_outputs": sum(
+            a == b for a, b in zip(base.token_ids, spec.token_ids, strict=True)
+        ),
+    }
+    (out / "eval.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    return report
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default="runs/smollm2")
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--stage", choices=["data", "train", "eval", "all"], default="all")
+    p.add_argument("--train", type=int, default=256)
+    p.add_argument("--heldout", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    target = resolve_model(args.target)
+    if args.stage in ("data", "all"):
+        stage_data(args, target, out)
+    if args.stage in ("train", "all"):
+        stage_train(args, target, out)
+    if args.stage in ("eval", "all"):
+        stage_eval(args, target, out)
+
+
+if __name__ == "__main__":
+    main()
