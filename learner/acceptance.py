@@ -66,26 +66,37 @@ def walk(hits: torch.Tensor, prompt_len: int, length: int, report: AcceptanceRep
         i += emitted
 
 
+def prompt_length(sample: Sample) -> int:
+    """Leading tokens a sample does not learn on (its prompt, as captured by the server)."""
+    on = torch.nonzero(sample.loss_mask).flatten()
+    return int(on[0]) if len(on) else len(sample)
+
+
 @torch.no_grad()
 def estimate_acceptance(
     draft: Eagle3Draft,
-    teacher: Teacher,
-    sequences: Sequence[tuple[torch.Tensor, int]],
+    teacher: Teacher | None,
+    sequences: Sequence[tuple[torch.Tensor, int] | Sample],
     k: int = 3,
     token_budget: int = 8192,
 ) -> AcceptanceReport:
-    """sequences: (token ids [L], prompt length P) with x[P:] the target's greedy output.
-    `teacher` must be in recompute mode (it runs the target for the taps)."""
+    """sequences: (token ids [L], prompt length P) with x[P:] the target's output, or captured
+    Samples (their taps are used; the prompt is where the loss mask starts). The walk is exact
+    for greedy output; for sampled output it counts proposals equal to the sampled tokens.
+    `teacher` (recompute mode) runs the target for sequences that carry no taps."""
     report = AcceptanceReport(k=k, accepted_per_pos=[0] * k)
     was_training = draft.training
     draft.eval()
-    device = teacher.device
+    device = teacher.device if teacher is not None else draft.fc.weight.device
     to_target = draft.draft_to_target_ids().to(device)
-    batch: list[tuple[torch.Tensor, int]] = []
+    batch: list[tuple[Sample, int]] = []
 
-    def run(items: list[tuple[torch.Tensor, int]]) -> None:
-        packed = pack([Sample(ids) for ids, _ in items]).to(device)
-        packed = teacher.fill(packed, draft.config.tap_layers)
+    def run(items: list[tuple[Sample, int]]) -> None:
+        packed = pack([s for s, _ in items]).to(device)
+        if packed.taps is None:
+            if teacher is None:
+                raise ValueError("sequences without taps need a recompute-mode teacher")
+            packed = teacher.fill(packed, draft.config.tap_layers)
         ids = packed.input_ids
         n = ids.shape[0]
         hits = torch.zeros(k, n, dtype=torch.bool, device=device)
@@ -103,13 +114,18 @@ def estimate_acceptance(
             walk(hits[:, a : a + len(tokens)].cpu(), prompt_len, len(tokens), report)
             report.sequences += 1
 
-    for ids, prompt_len in sequences:
-        if len(ids) <= prompt_len + 1:
+    for item in sequences:
+        if isinstance(item, Sample):
+            sample, prompt_len = item, prompt_length(item)
+        else:
+            ids, prompt_len = item
+            sample = Sample(torch.as_tensor(ids, dtype=torch.int64))
+        if len(sample) <= prompt_len + 1:
             continue
-        if batch and sum(len(t) for t, _ in batch) + len(ids) > token_budget:
+        if batch and sum(len(s) for s, _ in batch) + len(sample) > token_budget:
             run(batch)
             batch = []
-        batch.append((torch.as_tensor(ids, dtype=torch.int64), int(prompt_len)))
+        batch.append((sample, int(prompt_len)))
     if batch:
         run(batch)
     draft.train(was_training)

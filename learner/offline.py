@@ -27,21 +27,6 @@ from learner.trainer import StepMetrics, TrainConfig, Trainer
 log = logging.getLogger("codraft.learn")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--from-dir", required=True, help="folder of recorded *.taps files")
-    p.add_argument("--target", required=True, help="target model folder ('smollm2' allowed)")
-    p.add_argument("--out", required=True, help="checkpoint folder (resumed when present)")
-    p.add_argument("--steps", type=int, default=500, help="optimizer steps to reach")
-    p.add_argument("--k", type=int, default=3, help="TTT passes")
-    p.add_argument("--lr", type=float, default=TrainConfig.lr)
-    p.add_argument("--token-budget", type=int, default=TrainConfig.token_budget)
-    p.add_argument("--draft-vocab", type=int, default=TrainConfig.draft_vocab_size)
-    p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--recompute", action="store_true", help="run the target here for features")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-
-
 def token_counts(path: Path, vocab_size: int, expect: TapExpectation) -> torch.Tensor:
     """Token frequencies of the recorded completions (the draft vocab's source)."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
@@ -109,10 +94,3 @@ def train_from_dir(args: argparse.Namespace) -> dict:
         "draft": str(latest / "draft") if latest else None,
         "final": history[-1] if history else None,
     }
-
-
-def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    result = train_from_dir(args)
-    print(json.dumps(result, indent=2))
-    return 0

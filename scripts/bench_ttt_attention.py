@@ -2,6 +2,9 @@
 
 Methods, all computing the same K-pass TTT attention over a packed batch of uneven documents:
 
+* ``ttt_pass``    what the trainer runs: K sequential calls of
+                  learner.attention.pass_attention.pass_attention (one flash trunk call and a
+                  [T, H, d-1] branch per pass, merged by lse in one autograd Function);
 * ``branch``      learner.attention.branch_attention (flash trunk + [K, T, H, K-1] branch);
 * ``sdpa_dense``  F.scaled_dot_product_attention over all passes' keys with a materialised
                   [K*T, K*T] bool mask (skipped above --dense-limit mask elements);
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from learner.attention import block_attention, branch_attention
+from learner.attention.pass_attention import pass_attention
 
 
 def _doc_lengths(tokens: int, mean_len: int, gen: torch.Generator) -> list[int]:
@@ -74,6 +78,12 @@ def _methods(
     def branch(q, k, v):
         return branch_attention(q, k, v, cu)
 
+    def ttt_pass(q, k, v):  # what the trainer runs: K sequential calls of pass_attention
+        ks, vs = list(k.unbind(0)), list(v.unbind(0))
+        return torch.stack(
+            [pass_attention(q[p], ks[: p + 1], vs[: p + 1], cu) for p in range(passes)]
+        )
+
     def k_flash(q, k, v):
         return torch.stack(
             [block_attention(q[p], k[0], v[0], cu, cu, causal=True)[0] for p in range(passes)]
@@ -115,7 +125,13 @@ def _methods(
         o = fn(flat(q), flat(k), flat(v), block_mask=mask_cache["flex"], enable_gqa=True)
         return unflat(o, q.shape[2])
 
-    return {"branch": branch, "sdpa_dense": sdpa_dense, "flex": flex, "k_flash": k_flash}
+    return {
+        "ttt_pass": ttt_pass,
+        "branch": branch,
+        "sdpa_dense": sdpa_dense,
+        "flex": flex,
+        "k_flash": k_flash,
+    }
 
 
 def _sync(device: torch.device) -> None:
@@ -238,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--doc-len", type=int, default=2048, help="mean document length")
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    methods = "branch,sdpa_dense,flex,k_flash"
+    methods = "ttt_pass,branch,sdpa_dense,flex,k_flash"
     ap.add_argument("--methods", type=lambda s: s.split(","), default=methods.split(","))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dense-limit", type=float, default=2.0**33, help="max dense mask elements")

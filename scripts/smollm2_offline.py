@@ -74,6 +74,7 @@ def stage_train(args: argparse.Namespace, target: Path, out: Path) -> None:
         "--from-dir", str(out / "taps-train"), "--target", str(target),
         "--out", str(out / "ckpt"), "--steps", str(args.steps), "--k", str(args.k),
         "--lr", str(args.lr), "--save-every", str(max(1, args.steps // 4)),
+        "--draft-vocab", str(args.draft_vocab),
     ]  # fmt: skip
     subprocess.run(cmd, check=True)
 
@@ -133,9 +134,10 @@ def main() -> None:
     p.add_argument("--train", type=int, default=256)
     p.add_argument("--heldout", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=192)
-    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--draft-vocab", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     out = Path(args.out).resolve()

@@ -252,12 +252,5 @@ def test_pass_attention_mutations_are_caught(bug: str, monkeypatch: pytest.Monke
 
         monkeypatch.setattr(pa, "block_backward", own)
     else:  # the branch reads passes 0..d-2 instead of 1..d-1
-        monkeypatch.setattr(
-            pa,
-            "_branch_kv",
-            lambda ks, vs, rep, acc: (
-                pa._expand(torch.stack(ks[:-1]), rep).to(acc),
-                pa._expand(torch.stack(vs[:-1]), rep).to(acc),
-            ),
-        )
+        monkeypatch.setattr(pa, "_branch_keys", lambda ks, vs: (list(ks[:-1]), list(vs[:-1])))
     assert _pass_errors([1, 5, 17, 3], 3) > 1e-6, f"planted bug {bug} went unnoticed"

@@ -1,0 +1,1 @@
+"""The online learner: tap stream in, drafts out (ingest, buffer, daemon, publisher)."""

@@ -1,0 +1,146 @@
+"""The sample buffer between the tap stream and the trainer, with a stated retention policy.
+
+Policy (all bounds apply at once; the oldest samples go first):
+- size: at most `max_samples` documents and `max_tokens` tokens;
+- age: samples older than `max_age_s` seconds are dropped;
+- policy window: only samples whose policy version is within `policy_window` of the newest seen
+  are kept, so data of a superseded RL policy ages out as soon as the new policy's arrives;
+- held-out: a deterministic `holdout_fraction` of requests (by request id hash) never trains; it
+  is the evaluation set on which each candidate draft is compared with the serving one (its own
+  bounded list, same age and policy rules).
+Training batches draw documents uniformly at random from the buffer (with replacement across
+steps), so recent data is seen several times while it stays.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import zlib
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from learner.data.packing import Sample
+
+
+@dataclass
+class BufferPolicy:
+    max_samples: int = 4096
+    max_tokens: int = 2_000_000
+    max_age_s: float = 1800.0
+    policy_window: int = 0  # keep policy versions >= newest - window
+    holdout_fraction: float = 0.1
+    max_holdout: int = 64
+
+
+@dataclass
+class _Entry:
+    sample: Sample
+    policy_version: int
+    received: float
+
+
+@dataclass
+class BufferStats:
+    added: int = 0
+    held_out: int = 0
+    evicted: Counter = field(default_factory=Counter)  # reason -> count
+
+
+def is_holdout(request_id: str, fraction: float) -> bool:
+    """Deterministic split by request id (the same request always lands on the same side)."""
+    if fraction <= 0:
+        return False
+    return (zlib.crc32(request_id.encode()) % 10_000) < fraction * 10_000
+
+
+class SampleBuffer:
+    """Thread-safe: the ingest thread adds, the trainer draws."""
+
+    def __init__(self, policy: BufferPolicy | None = None, seed: int = 0) -> None:
+        self.policy = policy or BufferPolicy()
+        self._train: deque[_Entry] = deque()
+        self._holdout: deque[_Entry] = deque()
+        self._tokens = 0
+        self._newest_policy = 0
+        self._lock = threading.Lock()
+        self._rng = random.Random(seed)
+        self.stats = BufferStats()
+
+    def add(self, sample: Sample, policy_version: int = 0, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        entry = _Entry(sample, int(policy_version), now)
+        with self._lock:
+            self._newest_policy = max(self._newest_policy, entry.policy_version)
+            if is_holdout(sample.request_id, self.policy.holdout_fraction):
+                self._holdout.append(entry)
+                self.stats.held_out += 1
+                while len(self._holdout) > self.policy.max_holdout:
+                    self._holdout.popleft()
+            else:
+                self._train.append(entry)
+                self._tokens += len(sample)
+                self.stats.added += 1
+            self._evict(now)
+
+    def _evict(self, now: float) -> None:
+        p = self.policy
+        oldest_policy = self._newest_policy - p.policy_window
+
+        def stale(e: _Entry) -> str | None:
+            if e.policy_version < oldest_policy:
+                return "policy"
+            if now - e.received > p.max_age_s:
+                return "age"
+            return None
+
+        for queue, counted in ((self._train, True), (self._holdout, False)):
+            kept = deque()
+            for e in queue:
+                why = stale(e)
+                if why is None:
+                    kept.append(e)
+                elif counted:
+                    self._tokens -= len(e.sample)
+                    self.stats.evicted[why] += 1
+            queue.clear()
+            queue.extend(kept)
+        while self._train and (len(self._train) > p.max_samples or self._tokens > p.max_tokens):
+            e = self._train.popleft()
+            self._tokens -= len(e.sample)
+            self.stats.evicted["size"] += 1
+
+    def __len__(self) -> int:
+        return len(self._train)
+
+    @property
+    def tokens(self) -> int:
+        return self._tokens
+
+    def draw(self, token_budget: int, now: float | None = None) -> list[Sample]:
+        """Random documents up to `token_budget` tokens (at least one when not empty)."""
+        with self._lock:
+            self._evict(time.time() if now is None else now)
+            if not self._train:
+                return []
+            order = list(range(len(self._train)))
+            self._rng.shuffle(order)
+            out, used = [], 0
+            for i in order:
+                s = self._train[i].sample
+                if out and used + len(s) > token_budget:
+                    continue
+                out.append(s)
+                used += len(s)
+                if used >= token_budget:
+                    break
+            return out
+
+    def holdout(self) -> list[Sample]:
+        with self._lock:
+            return [e.sample for e in self._holdout]
+
+    def all_samples(self) -> list[Sample]:
+        with self._lock:
+            return [e.sample for e in self._train]

@@ -1,0 +1,33 @@
+"""The learner's Prometheus metrics (one registry per daemon, so tests can run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class LearnerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.steps = Counter("codraft_learner_steps", "optimizer steps", registry=r)
+        self.tokens = Counter("codraft_learner_tokens", "tokens trained on", registry=r)
+        self.loss = Gauge("codraft_learner_loss", "last training loss", registry=r)
+        self.tap_accepted = Gauge("codraft_learner_tap_accepted", "messages accepted", registry=r)
+        self.tap_rejected = Gauge(
+            "codraft_learner_tap_rejected", "messages rejected", ["reason"], registry=r
+        )
+        self.buffer_samples = Gauge("codraft_learner_buffer_samples", "buffered", registry=r)
+        self.buffer_tokens = Gauge("codraft_learner_buffer_tokens", "buffered tokens", registry=r)
+        self.published = Counter("codraft_learner_published", "drafts the server took", registry=r)
+        self.publish_failures = Counter(
+            "codraft_learner_publish_failures", "publish attempts refused", ["status"], registry=r
+        )
+        self.candidates_skipped = Counter(
+            "codraft_learner_candidates_skipped", "candidates worse than serving", registry=r
+        )
+        self.serving_version = Gauge("codraft_learner_serving_version", "server's", registry=r)
+        self.candidate_acceptance = Gauge(
+            "codraft_learner_candidate_acceptance", "estimated acceptance length", registry=r
+        )
+        self.serving_acceptance = Gauge(
+            "codraft_learner_serving_acceptance", "estimated acceptance length", registry=r
+        )

@@ -1,0 +1,119 @@
+"""The learner's ingest over a real ZeroMQ PUSH -> PULL pair on 127.0.0.1, and the buffer policy.
+
+Malformed messages (fuzzed bytes, wrong schema, wrong fingerprint, oversized, wrong frame count)
+must never stop the learner, and every one must be counted."""
+
+from __future__ import annotations
+
+import random
+import time
+import zlib
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from codraft.tap import TapExpectation, TapLimits, TapMessage, encode
+from learner.data.packing import Sample
+from learner.online.buffer import BufferPolicy, SampleBuffer, is_holdout
+from learner.online.ingest import TapIngest
+
+H, TAPS, FP = 16, (1, 2, 3), "llama-0123456789abcdef"
+
+
+def _msg(i: int, n: int = 12, fp: str = FP, policy: int = 0) -> TapMessage:
+    g = torch.Generator().manual_seed(i)
+    return TapMessage.build(
+        torch.randint(0, 100, (n,), generator=g, dtype=torch.int32),
+        taps=torch.randn(n, 3 * H, generator=g),
+        last_hidden=torch.randn(n, H, generator=g),
+        tap_layers=TAPS,
+        prompt_len=3,
+        request_id=f"req-{i}",
+        fingerprint=fp,
+        policy_version=policy,
+    )
+
+
+def _wait(cond, timeout: float = 10.0) -> None:
+    end = time.time() + timeout
+    while not cond():
+        if time.time() > end:
+            raise AssertionError("timed out waiting for the ingest thread")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def ingest():
+    buf = SampleBuffer(BufferPolicy(holdout_fraction=0.0))
+    expect = TapExpectation(fingerprint=FP, tap_layers=TAPS, hidden_size=H, vocab_size=100)
+    ing = TapIngest(
+        "tcp://127.0.0.1:*", buf, expect, limits=TapLimits(max_tokens=64, max_message_bytes=1 << 16)
+    ).start()
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.connect(ing.bound)
+    yield ing, buf, push
+    push.close(linger=0)
+    ing.stop()
+
+
+def test_valid_messages_are_buffered(ingest) -> None:
+    ing, buf, push = ingest
+    for i in range(5):
+        push.send_multipart(encode(_msg(i)), copy=False)
+    _wait(lambda: ing.stats.accepted == 5)
+    assert len(buf) == 5 and ing.stats.rejected_total == 0
+
+
+def test_malformed_messages_are_counted_and_never_fatal(ingest) -> None:
+    ing, buf, push = ingest
+    rng = random.Random(0)
+    sent_bad = 0
+    good = [bytes(f) for f in encode(_msg(0))]
+    for _ in range(200):  # fuzzed frames
+        frames = list(good)
+        j = rng.randrange(len(frames))
+        b = bytearray(frames[j])
+        if b:
+            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+        frames[j] = bytes(b)
+        push.send_multipart(frames)
+        sent_bad += 1
+    push.send_multipart([b"codraft.tap.v1", b"x"])  # wrong frame count
+    header = msgpack.unpackb(good[1][:-4])
+    header["schema"] = 99  # a future schema, with a valid header checksum
+    packed = msgpack.packb(header)
+    push.send_multipart([good[0], packed + zlib.crc32(packed).to_bytes(4, "little"), *good[2:]])
+    push.send_multipart(encode(_msg(1, fp="qwen2-ffffffffffffffff")))  # another target
+    push.send_multipart(encode(_msg(2, n=200)))  # over max_tokens
+    sent_bad += 4
+    for i in range(3):  # the learner still works afterwards
+        push.send_multipart(encode(_msg(100 + i)))
+    _wait(lambda: ing.stats.accepted + ing.stats.rejected_total >= sent_bad + 3)
+    st = ing.stats
+    assert st.rejected_total == sent_bad, dict(st.rejected)
+    assert st.accepted == 3 and len(buf) == 3
+    assert {"frames", "schema", "fingerprint", "size"} <= set(st.rejected)
+    assert ing._thread.is_alive()
+
+
+def test_buffer_policy_size_age_policy_window() -> None:
+    buf = SampleBuffer(BufferPolicy(max_samples=3, max_age_s=10, holdout_fraction=0.0))
+    s = [Sample.from_tap(_msg(i)) for i in range(5)]
+    for i, x in enumerate(s):
+        buf.add(x, policy_version=0, now=1000.0 + i)
+    assert len(buf) == 3 and buf.stats.evicted["size"] == 2
+    buf.add(Sample.from_tap(_msg(9)), policy_version=1, now=1005.0)  # new policy
+    assert len(buf) == 1 and buf.stats.evicted["policy"] == 3
+    buf.add(Sample.from_tap(_msg(10)), policy_version=1, now=1020.0)
+    assert len(buf) == 1 and buf.stats.evicted["age"] == 1
+    drawn = buf.draw(token_budget=100, now=1021.0)
+    assert len(drawn) == 1
+
+
+def test_holdout_split_is_deterministic() -> None:
+    ids = [f"req-{i}" for i in range(2000)]
+    held = [i for i in ids if is_holdout(i, 0.1)]
+    assert 120 < len(held) < 280
+    assert held == [i for i in ids if is_holdout(i, 0.1)]
