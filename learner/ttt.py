@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -84,8 +85,34 @@ def roll_left(x: Tensor, shift: int, ends: Tensor, fill: float | int = 0) -> Ten
     return torch.where(mask, y, torch.as_tensor(fill, dtype=x.dtype, device=x.device))
 
 
+class Roll(Protocol):
+    """Per-document left shifts of per-token tensors: on one device (LocalRoll) or across the
+    zigzag shards of context parallelism (learner.parallel.roll.BoundaryRoll)."""
+
+    def roll_left(self, x: Tensor, shift: int, fill: float | int = 0) -> Tensor:
+        """y[i] = x[i + shift] inside i's document, else fill (dim 0 is tokens)."""
+        ...
+
+    def gather_ahead(self, x: Tensor, shift: int, rows: Tensor) -> Tensor:
+        """x[rows + shift] for rows whose ``row + shift`` is inside their document."""
+        ...
+
+
+class LocalRoll:
+    """Rolls of a whole packed batch on one device."""
+
+    def __init__(self, cu_seqlens: Tensor, num_tokens: int) -> None:
+        self.ends = doc_ends(cu_seqlens, num_tokens)
+
+    def roll_left(self, x: Tensor, shift: int, fill: float | int = 0) -> Tensor:
+        return roll_left(x, shift, self.ends, fill)
+
+    def gather_ahead(self, x: Tensor, shift: int, rows: Tensor) -> Tensor:
+        return x[rows + shift]
+
+
 def teacher_targets(
-    teacher_probs: Tensor | None, input_ids: Tensor, t2d: Tensor, ends: Tensor
+    teacher_probs: Tensor | None, input_ids: Tensor, t2d: Tensor, roll: Roll
 ) -> tuple[Tensor, Tensor]:
     """Per-position training targets over the draft vocab, and where they are defined.
 
@@ -101,7 +128,7 @@ def teacher_targets(
                 f"teacher_probs has {teacher_probs.shape[0]} rows, expected one per token ({n})"
             )
         return teacher_probs, torch.ones(n, dtype=torch.bool, device=input_ids.device)
-    nxt = roll_left(input_ids, 1, ends, fill=-1)
+    nxt = roll.roll_left(input_ids, 1, fill=-1)
     in_doc = nxt >= 0
     t2d = t2d.to(input_ids.device)
     draft_index = torch.cumsum(t2d.to(torch.int64), 0) - 1  # target id -> draft id
@@ -122,32 +149,36 @@ def ttt_forward(
     config: TTTConfig | None = None,
     teacher_probs: Tensor | None = None,
     reduce_counts: CountReducer | None = None,
+    *,
+    roll: Roll | None = None,
 ) -> TTTOutput:
     """Run K TTT passes over a packed batch and return the loss (see module docstring).
 
     Shapes: input_ids/positions/loss_mask [N]; cu_seqlens int32 [docs + 1]; taps
-    [N, n_taps * target_H]; teacher_probs [N, draft_vocab] or None for hard labels.
+    [N, n_taps * target_H]; teacher_probs [N, draft_vocab] or None for hard labels. Under context
+    parallelism these are one rank's zigzag shard, `attn` is ring attention and `roll` moves
+    chunk-boundary rows between ranks; pass_valid/pass_correct are then rank-local.
     """
     config = config or TTTConfig()
-    n = input_ids.shape[0]
-    ends = doc_ends(cu_seqlens, n)
-    targets, defined = teacher_targets(teacher_probs, input_ids, draft.t2d, ends)
+    roll = roll or LocalRoll(cu_seqlens, input_ids.shape[0])
+    targets, defined = teacher_targets(teacher_probs, input_ids, draft.t2d, roll)
     usable = defined & (loss_mask.to(torch.bool))
     hard = teacher_probs is None
 
     # Passes' valid anchors: x[i+d] in the document and target position i+d usable.
-    valid = [roll_left(usable, d, ends, fill=False) for d in range(1, config.num_passes + 1)]
+    valid = [roll.roll_left(usable, d, fill=False) for d in range(1, config.num_passes + 1)]
     local = torch.stack([v.sum() for v in valid]).to(torch.float64)
     global_valid = reduce_counts(local.clone()) if reduce_counts is not None else local
 
     acc = torch.promote_types(taps.dtype, torch.float32)  # loss in fp32 (fp64 for fp64 checks)
     total = taps.new_zeros((), dtype=acc)
     out = TTTOutput(total, [], [], [], [])
-    passes = draft_passes(draft, input_ids, positions, cu_seqlens, taps, attn, config.num_passes)
+    passes = draft_passes(
+        draft, input_ids, positions, cu_seqlens, taps, attn, config.num_passes, roll=roll
+    )
     for d, logits in passes:
-        mask = valid[d - 1]
-        rows = torch.nonzero(mask).squeeze(1)
-        tgt = targets[(rows + d)]
+        rows = torch.nonzero(valid[d - 1]).squeeze(1)
+        tgt = roll.gather_ahead(targets, d, rows)
         logp = F.log_softmax(logits[rows].to(acc), dim=-1)
         if hard:
             ce = F.nll_loss(logp, tgt, reduction="sum")
@@ -174,16 +205,18 @@ def draft_passes(
     taps: Tensor,
     attn: PassAttention,
     num_passes: int,
+    *,
+    roll: Roll | None = None,
 ) -> Iterator[tuple[int, Tensor]]:
     """Yield (d, draft-vocab logits [N, Vd]) for passes d = 1..num_passes (teacher-forced: pass d
     at anchor i reads the true token x[i+d], which is the draft's own proposal whenever passes
     1..d-1 were right: the only case in which pass d matters for chain drafting)."""
-    ends = doc_ends(cu_seqlens, input_ids.shape[0])
+    roll = roll or LocalRoll(cu_seqlens, input_ids.shape[0])
     h = draft.fuse(taps)
     ks: list[Tensor] = []
     vs: list[Tensor] = []
     for d in range(1, num_passes + 1):
-        ids_d = roll_left(input_ids, d, ends, fill=0)
+        ids_d = roll.roll_left(input_ids, d, fill=0)
         q, k, v, residual = draft.qkv(draft.embed(ids_d), h, positions + (d - 1))
         ks.append(k)
         vs.append(v)
