@@ -26,7 +26,7 @@ from learner.parallel.mesh import ParallelDims, ParallelMesh
 @dataclass
 class ParallelConfig:
     cp: int = 1  # context-parallel ranks per batch
-    pp: int = 1  # pipeline stages (recompute mode; 1 until pipelining lands)
+    pp: int = 1  # pipeline stages (recompute mode, learner.recompute)
     backend: str = "auto"  # "auto": nccl on CUDA, gloo on CPU
     device: str = "auto"  # "auto": cuda:LOCAL_RANK when CUDA is available, else cpu
     timeout_s: float = 600.0
