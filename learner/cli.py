@@ -9,6 +9,8 @@ import logging
 import os
 from pathlib import Path
 
+from learner.parallel.launch import add_parallel_arguments
+from learner.recompute import add_pp_arguments
 from learner.trainer import TrainConfig
 
 
@@ -34,6 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", action="store_true", help="run the target here for features")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--pad-multiple", type=int, default=None, help="pad documents to this (default 2 x cp)"
+    )
+    add_parallel_arguments(p)
+    add_pp_arguments(p)
 
 
 def _token(args: argparse.Namespace) -> str | None:
@@ -48,6 +55,12 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if bool(args.from_dir) == bool(args.server):
         raise SystemExit("codraft learn: give exactly one of --from-dir DIR or --server URL")
+    if getattr(args, "pp", 1) > 1:
+        if not args.from_dir:
+            raise SystemExit("codraft learn --pp needs --from-dir (ids-only or full tap files)")
+        from learner.recompute import main as pp_main
+
+        return pp_main(args)
     if args.from_dir:
         from learner.offline import train_from_dir
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ from learner.checkpoints import CheckpointDir
 from learner.data.packing import PackedBatch
 from learner.teacher import Teacher, load_embedding
 from learner.ttt import TTTConfig, ttt_forward
+
+if TYPE_CHECKING:
+    from learner.parallel.context import ContextParallel
 
 
 @dataclass
@@ -89,7 +92,10 @@ class Trainer:
         token_counts: torch.Tensor | None = None,
         draft: Eagle3Draft | None = None,
         reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        parallel: ContextParallel | None = None,
     ) -> None:
+        """`parallel` (context parallelism, under torchrun) shards every batch over the CP
+        ranks, sums gradients over dp x cp and normalises the loss by global counts."""
         self.cfg = cfg = config or TrainConfig()
         self.target_dir = Path(target_dir)
         self.device = pick_device(cfg.device)
@@ -117,7 +123,8 @@ class Trainer:
             weight_decay=cfg.weight_decay,
         )
         self.ckpt = CheckpointDir(out_dir, keep=cfg.keep_checkpoints)
-        self.reduce_counts = reduce_counts
+        self.parallel = parallel
+        self.reduce_counts = parallel.reduce_counts if parallel is not None else reduce_counts
         self.step_count = 0
         self.draft_version = 0
         self.tokens_seen = 0
@@ -133,37 +140,50 @@ class Trainer:
         batch = batch.to(self.device)
         if batch.taps is None or batch.last_hidden is None:
             batch = self.teacher.fill(batch, self.tap_layers)
-        teacher = self.teacher.draft_targets(batch.last_hidden, self.draft.t2d)
+        shard = self.parallel.shard(batch) if self.parallel is not None else None
+        local = shard.batch if shard is not None else batch
+        teacher = self.teacher.draft_targets(local.last_hidden, self.draft.t2d)
         lr = lr_at(self.step_count, cfg)
         for group in self.opt.param_groups:
             group["lr"] = lr
         use_bf16 = cfg.autocast_bf16 and self.device.type == "cuda"
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16):
-            out = ttt_forward(
-                self.draft,
-                batch.input_ids,
-                batch.positions,
-                batch.cu_seqlens,
-                batch.taps.to(self.draft.fc.weight.dtype),
-                batch.loss_mask,
-                pass_attention,
-                cfg.ttt(),
-                teacher,
-                self.reduce_counts,
-            )
+        taps = local.taps.to(self.draft.fc.weight.dtype)
         self.opt.zero_grad(set_to_none=True)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16):
+            if shard is not None:
+                out = self.parallel.ttt_forward(self.draft, shard, teacher, cfg.ttt(), taps=taps)
+            else:
+                out = ttt_forward(
+                    self.draft,
+                    local.input_ids,
+                    local.positions,
+                    local.cu_seqlens,
+                    taps,
+                    local.loss_mask,
+                    pass_attention,
+                    cfg.ttt(),
+                    teacher,
+                    self.reduce_counts,
+                )
         out.loss.backward()
+        if self.parallel is not None:
+            self.parallel.reduce_gradients(self.draft.parameters())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), cfg.max_grad_norm)
         self.opt.step()
         self.step_count += 1
         self.tokens_seen += int(batch.valid.sum())
-        acc = [
-            float(c) / max(1.0, float(v))
-            for c, v in zip(out.pass_correct, out.pass_valid, strict=True)
-        ]
+        if self.parallel is not None:
+            reduced = self.parallel.reduce_metrics(out)
+            loss, acc = float(reduced["loss"]), list(reduced["pass_acc"])
+        else:
+            loss = float(out.loss.detach())
+            acc = [
+                float(c) / max(1.0, float(v))
+                for c, v in zip(out.pass_correct, out.pass_valid, strict=True)
+            ]
         return StepMetrics(
             step=self.step_count,
-            loss=float(out.loss.detach()),
+            loss=loss,
             lr=lr,
             grad_norm=float(grad_norm),
             tokens=batch.num_tokens,

@@ -52,6 +52,7 @@ def _args(data: Path, target: Path, out: Path, steps: int) -> argparse.Namespace
     return argparse.Namespace(
         from_dir=str(data), target=str(target), out=str(out), steps=steps, k=3, lr=3e-3,
         token_budget=128, draft_vocab=64, save_every=3, recompute=False, device="cpu", seed=0,
+        pad_multiple=None, cp=1,
     )  # fmt: skip
 
 
@@ -118,3 +119,37 @@ def test_estimator_on_agreeing_pair(tiny_llama_dir: Path, tmp_path: Path) -> Non
         draft.set_embedding(load_embedding(target))
         rates[misplace] = estimate_acceptance(draft, teacher, seqs, k=3).acceptance_length
     assert rates[False] > 3.5 and rates[True] == pytest.approx(1.0)
+
+
+def test_torchrun_cp2_matches_single_process(
+    tiny_llama_dir: Path, taps_dir: Path, tmp_path: Path
+) -> None:
+    """`torchrun --nproc-per-node 2 ... learn --cp 2` (gloo) ends at the weights of the same
+    training in one process (documents padded alike), within fp32 tolerance."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+
+    single = _args(taps_dir, tiny_llama_dir, tmp_path / "one", steps=4)
+    single.pad_multiple = 4
+    one = train_from_dir(single)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "codraft.cli", "learn",
+        "--from-dir", str(taps_dir), "--target", str(tiny_llama_dir), "--out", str(tmp_path / "cp"),
+        "--steps", "4", "--k", "3", "--lr", "3e-3", "--token-budget", "128",
+        "--draft-vocab", "64", "--save-every", "3", "--device", "cpu", "--cp", "2",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    latest = (tmp_path / "cp" / "latest").read_text().strip()
+    wa, _ = load_draft(one["draft"])
+    wb, _ = load_draft(tmp_path / "cp" / latest / "draft")
+    for (name, a), (_, b) in zip(wa.state_dict().items(), wb.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=f"{name} differs under CP")
