@@ -1,1 +1,50 @@
-"""client."""
+"""Python client of the codraft control API (DESIGN.md section 8), and CLI subcommands.
+
+    from client import CodraftClient
+    with CodraftClient("http://127.0.0.1:8000") as c:   # token: argument or $CODRAFT_CONTROL_TOKEN
+        c.wait_ready()
+        c.load_draft(5, "/ckpt/draft-v5")
+
+Generation goes through the official `openai` package: see `client.openai_helpers` (imported
+on its own, so this package does not need openai).
+"""
+
+from client.client import AsyncCodraftClient, CodraftClient
+from client.errors import (
+    CodraftConnectionError,
+    CodraftError,
+    CodraftHTTPError,
+    ContractError,
+    InvalidRequest,
+    NotFound,
+    NotNewer,
+    NotReady,
+    Unauthorized,
+    UnexpectedResponse,
+)
+from client.models import Acceptance, DraftInfo, Health, PolicyInfo, Ready, TapInfo, TapStats
+from client.retry import NO_RETRY, RetryPolicy
+
+__all__ = [
+    "Acceptance",
+    "AsyncCodraftClient",
+    "CodraftClient",
+    "CodraftConnectionError",
+    "CodraftError",
+    "CodraftHTTPError",
+    "ContractError",
+    "DraftInfo",
+    "Health",
+    "InvalidRequest",
+    "NO_RETRY",
+    "NotFound",
+    "NotNewer",
+    "NotReady",
+    "PolicyInfo",
+    "Ready",
+    "RetryPolicy",
+    "TapInfo",
+    "TapStats",
+    "Unauthorized",
+    "UnexpectedResponse",
+]

@@ -1,0 +1,287 @@
+"""`CodraftClient` (sync) and `AsyncCodraftClient`: one method per control route.
+
+    with CodraftClient("http://127.0.0.1:8000", token="...") as c:
+        c.wait_ready(timeout=300)
+        print(c.draft().version)
+        c.load_draft(5, "/ckpt/draft-v5", sha256="...")
+
+Both share everything but the sending (see `client.calls`): the same requests, retries (GET
+only, on no answer or 5xx; `RetryPolicy`), errors (`client.errors`) and typed answers
+(`client.models`). The token comes from `token` or $CODRAFT_CONTROL_TOKEN and goes out as
+`Authorization: Bearer <token>` on every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any, TypeVar
+
+import httpx
+
+from client import calls
+from client.calls import Call
+from client.errors import CodraftConnectionError, CodraftHTTPError, NotReady
+from client.models import DraftInfo, Health, PolicyInfo, Ready, TapInfo
+from client.retry import NO_RETRY, RetryPolicy
+from client.settings import resolve_base_url, resolve_token
+
+T = TypeVar("T")
+USER_AGENT = "codraft-client/0.1"
+
+
+class _Config:
+    """What both clients hold: the server, the token, timeouts and the retry policy."""
+
+    def __init__(
+        self,
+        base_url: str | None,
+        token: str | None,
+        timeout: float,
+        load_timeout: float,
+        retry: RetryPolicy | None,
+    ) -> None:
+        self.base_url = resolve_base_url(base_url)
+        self.token = resolve_token(token)
+        self.timeout = timeout
+        self.load_timeout = max(load_timeout, timeout)
+        self.retry = retry if retry is not None else RetryPolicy()
+
+    def _http_kwargs(self) -> dict[str, Any]:
+        headers = {"User-Agent": USER_AGENT, "Accept": "application/json"}
+        if self.token is not None:
+            headers["Authorization"] = f"Bearer {self.token}"
+        return {"base_url": self.base_url, "headers": headers, "timeout": self.timeout}
+
+    def _send_args(self, call: Call[Any]) -> dict[str, Any]:
+        return {
+            "method": call.method,
+            "url": call.path,
+            "json": call.json,
+            "timeout": self.load_timeout if call.slow else self.timeout,
+        }
+
+    def _url(self, call: Call[Any]) -> str:
+        return self.base_url + call.path
+
+    def __repr__(self) -> str:
+        auth = "token" if self.token else "no token"
+        return f"{type(self).__name__}({self.base_url!r}, {auth})"
+
+
+class _ReadyWait:
+    """The bookkeeping of wait_ready, shared by both clients."""
+
+    def __init__(self, url: str, timeout: float, interval: float) -> None:
+        self.url, self.timeout, self.interval = url, timeout, interval
+        self.deadline = time.monotonic() + timeout
+        self.last = "no answer yet"
+
+    def seen(self, answer: Ready | Exception) -> Ready | None:
+        """`answer` if ready; raises for an error that waiting cannot fix (4xx)."""
+        if isinstance(answer, Ready):
+            if answer.ready:
+                return answer
+            self.last = answer.detail or "not ready"
+        elif isinstance(answer, CodraftHTTPError) and answer.status < 500:
+            raise answer
+        elif isinstance(answer, CodraftConnectionError):
+            self.last = f"no answer ({type(answer.cause).__name__})"
+        else:
+            self.last = str(answer)
+        return None
+
+    def pause(self) -> float:
+        """Seconds to sleep before asking again; raises NotReady when the time is up."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise NotReady(self.url, self.timeout, self.last)
+        return min(self.interval, left)
+
+
+class CodraftClient(_Config):
+    """Synchronous client of the codraft control API (httpx.Client)."""
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        load_timeout: float = 600.0,
+        retry: RetryPolicy | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        super().__init__(base_url, token, timeout, load_timeout, retry)
+        self._http = httpx.Client(transport=transport, **self._http_kwargs())
+
+    def _run(self, call: Call[T], retry: RetryPolicy | None = None) -> T:
+        policy = retry or self.retry
+        for attempt in itertools.count(1):
+            try:
+                response: httpx.Response | None = self._http.request(**self._send_args(call))
+                error: httpx.TransportError | None = None
+            except httpx.TransportError as e:
+                response, error = None, e
+            wait = calls.next_wait(call, policy, attempt, response)
+            if wait is None:
+                if response is None:
+                    raise CodraftConnectionError(call.method, self._url(call), error, attempt)
+                return calls.finish(call, self._url(call), response)
+            time.sleep(wait)
+        raise AssertionError("unreachable")
+
+    # -------------------------------------------------------------- routes
+    def draft(self) -> DraftInfo:
+        """GET /v1/draft: the serving draft and its acceptance."""
+        return self._run(calls.get_draft())
+
+    def load_draft(self, version: int, path: str, sha256: str | None = None) -> DraftInfo:
+        """POST /v1/draft. NotNewer (409), ContractError (422), NotFound (404); never retried."""
+        return self._run(calls.load_draft(version, path, sha256))
+
+    def rollback_draft(self, reason: str = "manual") -> DraftInfo:
+        """POST /v1/draft/rollback: the draft serving afterwards. NotNewer (409) if none kept."""
+        return self._run(calls.rollback_draft(reason))
+
+    def load_policy(self, version: int, path: str) -> PolicyInfo:
+        """POST /v1/policy: new target weights. NotNewer, ContractError, NotFound as drafts."""
+        return self._run(calls.load_policy(version, path))
+
+    def tap(self) -> TapInfo:
+        """GET /v1/tap: settings and counters."""
+        return self._run(calls.get_tap())
+
+    def set_tap(
+        self,
+        enabled: bool | None = None,
+        mode: str | None = None,
+        sample_rate: float | None = None,
+        endpoint: str | None = None,
+    ) -> TapInfo:
+        """PUT /v1/tap; None leaves a setting as it is."""
+        return self._run(calls.set_tap(enabled, mode, sample_rate, endpoint))
+
+    def health(self) -> Health:
+        """GET /health (no token needed); `.ok` False when the engine is dead."""
+        return self._run(calls.health())
+
+    def ready(self) -> Ready:
+        """GET /ready (no token needed); `.ready` False while starting or shutting down."""
+        return self._run(calls.ready())
+
+    def metrics(self) -> dict[str, float]:
+        """GET /metrics, parsed: {'name' or 'name{label="v"}': value}."""
+        return self._run(calls.metrics())
+
+    def wait_ready(self, timeout: float = 300.0, interval: float = 0.5) -> Ready:
+        """Poll /ready until the server serves with a draft; NotReady after `timeout` s."""
+        wait = _ReadyWait(self.base_url, timeout, interval)
+        while True:
+            try:
+                answer: Ready | Exception = self._run(calls.ready(), NO_RETRY)
+            except (CodraftConnectionError, CodraftHTTPError) as e:
+                answer = e
+            if (done := wait.seen(answer)) is not None:
+                return done
+            time.sleep(wait.pause())
+
+    # -------------------------------------------------------------- lifetime
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> CodraftClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncCodraftClient(_Config):
+    """Asynchronous client of the codraft control API (httpx.AsyncClient); same methods as
+    `CodraftClient`, awaited."""
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        load_timeout: float = 600.0,
+        retry: RetryPolicy | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        super().__init__(base_url, token, timeout, load_timeout, retry)
+        self._http = httpx.AsyncClient(transport=transport, **self._http_kwargs())
+
+    async def _run(self, call: Call[T], retry: RetryPolicy | None = None) -> T:
+        policy = retry or self.retry
+        for attempt in itertools.count(1):
+            try:
+                response: httpx.Response | None = await self._http.request(**self._send_args(call))
+                error: httpx.TransportError | None = None
+            except httpx.TransportError as e:
+                response, error = None, e
+            wait = calls.next_wait(call, policy, attempt, response)
+            if wait is None:
+                if response is None:
+                    raise CodraftConnectionError(call.method, self._url(call), error, attempt)
+                return calls.finish(call, self._url(call), response)
+            await asyncio.sleep(wait)
+        raise AssertionError("unreachable")
+
+    # -------------------------------------------------------------- routes
+    async def draft(self) -> DraftInfo:
+        return await self._run(calls.get_draft())
+
+    async def load_draft(self, version: int, path: str, sha256: str | None = None) -> DraftInfo:
+        return await self._run(calls.load_draft(version, path, sha256))
+
+    async def rollback_draft(self, reason: str = "manual") -> DraftInfo:
+        return await self._run(calls.rollback_draft(reason))
+
+    async def load_policy(self, version: int, path: str) -> PolicyInfo:
+        return await self._run(calls.load_policy(version, path))
+
+    async def tap(self) -> TapInfo:
+        return await self._run(calls.get_tap())
+
+    async def set_tap(
+        self,
+        enabled: bool | None = None,
+        mode: str | None = None,
+        sample_rate: float | None = None,
+        endpoint: str | None = None,
+    ) -> TapInfo:
+        return await self._run(calls.set_tap(enabled, mode, sample_rate, endpoint))
+
+    async def health(self) -> Health:
+        return await self._run(calls.health())
+
+    async def ready(self) -> Ready:
+        return await self._run(calls.ready())
+
+    async def metrics(self) -> dict[str, float]:
+        return await self._run(calls.metrics())
+
+    async def wait_ready(self, timeout: float = 300.0, interval: float = 0.5) -> Ready:
+        wait = _ReadyWait(self.base_url, timeout, interval)
+        while True:
+            try:
+                answer: Ready | Exception = await self._run(calls.ready(), NO_RETRY)
+            except (CodraftConnectionError, CodraftHTTPError) as e:
+                answer = e
+            if (done := wait.seen(answer)) is not None:
+                return done
+            await asyncio.sleep(wait.pause())
+
+    # -------------------------------------------------------------- lifetime
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncCodraftClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

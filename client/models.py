@@ -1,0 +1,125 @@
+"""The control API's wire schemas, as the client sees them (DESIGN.md section 8).
+
+Responses are parsed leniently: unknown fields are kept (`model_extra`), missing ones are None,
+so a server that adds a field does not break an older client. Requests are strict: what the
+client sends is checked before it leaves, with the same limits the server applies.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+MAX_VERSION = 2**63 - 1
+TapMode = Literal["full", "ids", "off"]
+
+
+# ------------------------------------------------------------------------------ responses
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class Acceptance(_Reply):
+    """Acceptance of one draft version since it was loaded."""
+
+    drafts: int = 0  # verifications (one request's proposals checked in one engine step)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_length: float | None = None  # mean tokens emitted per verification
+
+    @property
+    def rate(self) -> float | None:
+        """Accepted draft tokens per proposed draft token."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+
+class DraftInfo(_Reply):
+    """GET /v1/draft, and the answer to a draft load or rollback (those carry no acceptance)."""
+
+    version: int | None = None
+    sha256: str | None = None
+    path: str | None = None
+    loaded_at: str | None = None
+    tap_layers: list[int] = Field(default_factory=list)
+    previous_version: int | None = None
+    acceptance: Acceptance | None = None
+
+
+class PolicyInfo(_Reply):
+    """The answer to a policy load."""
+
+    version: int | None = None
+    path: str | None = None
+    loaded_at: str | None = None
+
+
+class TapStats(_Reply):
+    messages_sent: int = 0
+    messages_dropped: int = 0
+    bytes_sent: int = 0
+    bytes_dropped: int = 0
+    queue_depth: int = 0
+
+
+class TapInfo(_Reply):
+    """GET|PUT /v1/tap (only GET carries `stats`)."""
+
+    enabled: bool | None = None
+    mode: str | None = None
+    sample_rate: float | None = None
+    endpoint: str | None = None
+    stats: TapStats | None = None
+
+
+class Health(_Reply):
+    """GET /health: `status` "ok" while the engine is alive, "dead" (HTTP 503) otherwise."""
+
+    status: str = "unknown"
+    detail: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+class Ready(_Reply):
+    """GET /ready: ready (HTTP 200) when the engine answers and a draft is loaded; else 503."""
+
+    ready: bool = False
+    draft_version: int | None = None
+    policy_version: int | None = None
+    detail: str | None = None
+
+
+# ------------------------------------------------------------------------------ requests
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+_Version = Annotated[StrictInt, Field(ge=0, le=MAX_VERSION)]
+_Path = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]
+
+
+class DraftLoad(_Request):
+    """POST /v1/draft. `path` is read by the server, so it must be valid on the server's side."""
+
+    version: _Version
+    path: _Path
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+
+
+class PolicyLoad(_Request):
+    """POST /v1/policy."""
+
+    version: _Version
+    path: _Path
+
+
+class TapUpdate(_Request):
+    """PUT /v1/tap; None leaves a setting as it is."""
+
+    enabled: StrictBool | None = None
+    mode: TapMode | None = None
+    sample_rate: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    endpoint: Annotated[str, Field(pattern=r"^(tcp|ipc|inproc)://[^\s\x00]+$")] | None = None

@@ -1,0 +1,261 @@
+"""`codraft learn --server URL --tap ENDPOINT`: train a draft continuously from a live server.
+
+The loop (one process; ingest and HTTP in background threads):
+
+1. ingest validates and buffers the server's tap messages (learner.online.ingest/buffer);
+2. once `min_buffer_tokens` are buffered, the first draft is built: the serving draft's geometry
+   (read from its checkpoint when this machine can see it, else the configured one) with a
+   vocabulary of the most frequent completion tokens seen so far; or, after a restart, the newest
+   checkpoint in --out is resumed (model, optimizer, step) and versions keep increasing;
+3. each step trains on random buffered documents (Trainer.step);
+4. every `publish_every_steps` the candidate is evaluated on held-out captured requests (offline
+   acceptance estimate, learner.acceptance) against the draft the server is serving, and only a
+   candidate that is not worse (within `accept_margin`) is checkpointed (atomically) and
+   published; versions are numbered above whatever the server reports.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from client import CodraftClient
+from client.errors import CodraftConnectionError, CodraftHTTPError
+from codraft.draft.checkpoint import DraftCheckpointError, check_draft, load_draft
+from codraft.draft.config import DraftConfig
+from codraft.draft.model import Eagle3Draft
+from codraft.draft.vocab import build_draft_vocab
+from codraft.models.config import TargetConfig
+from codraft.prepare import resolve_model
+from codraft.tap import TapExpectation, model_fingerprint
+from learner.acceptance import estimate_acceptance
+from learner.data.packing import pack
+from learner.online.buffer import BufferPolicy, SampleBuffer
+from learner.online.http import HttpThread, build_app
+from learner.online.ingest import TapIngest
+from learner.online.metrics import LearnerMetrics
+from learner.online.publisher import Publisher
+from learner.teacher import load_embedding
+from learner.trainer import TrainConfig, Trainer
+
+log = logging.getLogger("codraft.learn")
+
+
+@dataclass
+class OnlineConfig:
+    server: str = "http://127.0.0.1:8000"  # the control API (its own port when it has one)
+    token: str | None = None
+    tap: str = "tcp://127.0.0.1:5557"  # bound here; servers connect
+    target: str = "smollm2"
+    out: str = "runs/learner"  # checkpoints; must be visible to the server at the same path
+    http_host: str = "127.0.0.1"
+    http_port: int = 9100  # /health and /metrics; 0 turns it off
+    min_buffer_tokens: int = 1024
+    publish_every_steps: int = 20
+    eval_k: int = 3
+    accept_margin: float = 0.02
+    max_steps: int | None = None
+    max_seconds: float | None = None
+    train: TrainConfig = field(default_factory=TrainConfig)
+    buffer: BufferPolicy = field(default_factory=BufferPolicy)
+
+
+class OnlineLearner:
+    def __init__(self, cfg: OnlineConfig, client: CodraftClient | None = None) -> None:
+        self.cfg = cfg
+        self.target_dir = resolve_model(cfg.target)
+        self.target_config = TargetConfig.from_pretrained(self.target_dir)
+        self.client = client or CodraftClient(cfg.server, token=cfg.token)
+        self.publisher = Publisher(self.client)
+        self.metrics = LearnerMetrics()
+        self.buffer = SampleBuffer(cfg.buffer, seed=cfg.train.seed)
+        self.expect = TapExpectation(
+            fingerprint=model_fingerprint(self.target_config),
+            hidden_size=self.target_config.hidden_size,
+            vocab_size=self.target_config.vocab_size,
+        )
+        self.ingest = TapIngest(cfg.tap, self.buffer, self.expect)
+        self.trainer: Trainer | None = None
+        self.serving: Eagle3Draft | None = None  # what the server serves, for comparisons
+        self.stop_event = threading.Event()
+        self.published: list[int] = []
+        self.http: HttpThread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def health(self) -> dict:
+        return {
+            "status": "ok",
+            "step": self.trainer.step_count if self.trainer else 0,
+            "draft_version": self.trainer.draft_version if self.trainer else None,
+            "buffered_samples": len(self.buffer),
+            "tap_accepted": self.ingest.stats.accepted,
+            "tap_rejected": dict(self.ingest.stats.rejected),
+            "published": self.published,
+        }
+
+    def run(self) -> dict:
+        self.ingest.start()
+        if self.cfg.http_port:
+            app = build_app(self.metrics.registry, self.health)
+            self.http = HttpThread(app, self.cfg.http_host, self.cfg.http_port).start()
+        log.info("listening for taps on %s; server %s", self.ingest.bound, self.cfg.server)
+        t0 = time.monotonic()
+        try:
+            while not self.stop_event.is_set():
+                if self.cfg.max_seconds and time.monotonic() - t0 > self.cfg.max_seconds:
+                    break
+                if (
+                    self.trainer
+                    and self.cfg.max_steps
+                    and (self.trainer.step_count >= self.cfg.max_steps)
+                ):
+                    break
+                self._export_gauges()
+                if self.trainer is None and not self._start_trainer():
+                    time.sleep(0.2)
+                    continue
+                if not self._train_step():
+                    time.sleep(0.1)
+                    continue
+                if self.trainer.step_count % self.cfg.publish_every_steps == 0:
+                    self.maybe_publish()
+        finally:
+            self.ingest.stop()
+            if self.http:
+                self.http.stop()
+        return self.health()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self.stop_event.set())
+
+    # ------------------------------------------------------------------ pieces
+    def _serving_config(self) -> tuple[DraftConfig | None, Path | None]:
+        try:
+            info = self.client.draft()
+        except (CodraftConnectionError, CodraftHTTPError) as e:
+            log.warning("cannot read the serving draft yet: %s", e)
+            return None, None
+        self.metrics.serving_version.set(info.version or 0)
+        if not info.path or not Path(info.path).is_dir():
+            return None, None
+        try:
+            cfg, _ = check_draft(info.path)
+        except DraftCheckpointError as e:
+            log.warning("serving draft unreadable here: %s", e)
+            return None, None
+        return cfg, Path(info.path)
+
+    def _start_trainer(self) -> bool:
+        out = Path(self.cfg.out)
+        serving_cfg, serving_path = self._serving_config()
+        if (out / "latest").exists():
+            latest = out / (out / "latest").read_text().strip() / "draft"
+            draft, _ = load_draft(latest)
+        else:
+            if self.buffer.tokens < self.cfg.min_buffer_tokens:
+                return False
+            draft = self._new_draft(serving_cfg)
+        self.trainer = Trainer(self.target_dir, out, self.cfg.train, draft=draft)
+        self.trainer.resume()
+        if serving_path is not None:
+            try:
+                served, _ = load_draft(serving_path)
+                served.set_embedding(load_embedding(self.target_dir, device=self.trainer.device))
+                self.serving = served.to(self.trainer.device).eval()
+            except (DraftCheckpointError, ValueError) as e:
+                log.warning("cannot load the serving draft for comparisons: %s", e)
+        self._sync_version()
+        log.info(
+            "training draft from step %d, version %d (vocab %d, taps %s)",
+            self.trainer.step_count, self.trainer.draft_version,
+            draft.config.draft_vocab_size, list(draft.config.tap_layers),
+        )  # fmt: skip
+        return True
+
+    def _new_draft(self, serving_cfg: DraftConfig | None) -> Eagle3Draft:
+        t = self.cfg.train
+        if serving_cfg is not None:
+            cfg = serving_cfg
+            cfg = DraftConfig(**{**cfg.to_dict(), "dtype": "float32"})
+        else:
+            cfg = DraftConfig.from_target(
+                self.target_config,
+                draft_vocab_size=min(t.draft_vocab_size, self.target_config.vocab_size),
+                tap_layers=t.tap_layers,
+                dtype="float32",
+            )
+        counts = torch.zeros(self.target_config.vocab_size, dtype=torch.int64)
+        for s in self.buffer.all_samples():
+            ids = s.token_ids.to(torch.int64)[s.loss_mask.bool()]
+            counts += torch.bincount(ids, minlength=len(counts))
+        torch.manual_seed(t.seed)
+        draft = Eagle3Draft(cfg)
+        draft.set_vocab(*build_draft_vocab(counts, cfg.draft_vocab_size))
+        return draft
+
+    def _sync_version(self) -> None:
+        try:
+            server = self.publisher.serving_version() or 0
+        except (CodraftConnectionError, CodraftHTTPError):
+            return
+        if self.trainer and self.trainer.draft_version < server:
+            self.trainer.draft_version = server
+
+    def _train_step(self) -> bool:
+        samples = self.buffer.draw(self.cfg.train.token_budget)
+        if not samples:
+            return False
+        m = self.trainer.step(pack(samples))
+        self.metrics.steps.inc()
+        self.metrics.tokens.inc(m.tokens)
+        self.metrics.loss.set(m.loss)
+        return True
+
+    def _export_gauges(self) -> None:
+        st = self.ingest.stats
+        self.metrics.tap_accepted.set(st.accepted)
+        for reason, n in st.rejected.items():
+            self.metrics.tap_rejected.labels(reason=reason).set(n)
+        self.metrics.buffer_samples.set(len(self.buffer))
+        self.metrics.buffer_tokens.set(self.buffer.tokens)
+
+    def evaluate(self, draft: Eagle3Draft) -> float | None:
+        held = self.buffer.holdout()
+        if not held:
+            return None
+        return estimate_acceptance(draft, None, held, k=self.cfg.eval_k).acceptance_length
+
+    def maybe_publish(self) -> bool:
+        """Checkpoint and publish the candidate if it is not worse than the serving draft."""
+        trainer = self.trainer
+        cand = self.evaluate(trainer.draft)
+        serving = self.evaluate(self.serving) if self.serving is not None else None
+        if cand is not None:
+            self.metrics.candidate_acceptance.set(cand)
+        if serving is not None:
+            self.metrics.serving_acceptance.set(serving)
+        if cand is not None and serving is not None and cand < serving - self.cfg.accept_margin:
+            log.info("candidate %.3f < serving %.3f: not published", cand, serving)
+            self.metrics.candidates_skipped.inc()
+            return False
+        ckpt = trainer.save(counters={"est_acceptance": cand or 0.0})
+        outcome = self.publisher.publish(trainer.draft_dir(ckpt))
+        if outcome.ok:
+            self.published.append(trainer.draft_version)
+            self.metrics.published.inc()
+            self.metrics.serving_version.set(trainer.draft_version)
+            self.serving = copy.deepcopy(trainer.draft).eval()
+            log.info("published draft v%d (est. acceptance %s)", trainer.draft_version, cand)
+            return True
+        self.metrics.publish_failures.labels(status=str(outcome.status)).inc()
+        if outcome.status == 409 and outcome.server_version is not None:
+            trainer.draft_version = max(trainer.draft_version, outcome.server_version)
+        return False
