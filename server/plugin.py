@@ -1,0 +1,32 @@
+"""codraft's `vllm.general_plugins` entry point (registered in pyproject.toml).
+
+vLLM calls `register()` in every process that builds an engine or a worker, before the model
+exists. It does nothing unless codraft is enabled (CODRAFT_ENABLE=1; `codraft serve` sets it), so
+plain vLLM users with codraft installed are unaffected. When enabled, it checks the vLLM version
+against `server.compat.SUPPORTED_VLLM` and that every internal codraft hooks is present, and
+fails early with one message naming the supported versions. The worker extension runs the same
+check when it is configured, with or without this plugin.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+ENABLE_ENV = "CODRAFT_ENABLE"
+_TRUE = ("1", "true", "yes", "on")
+
+
+def enabled() -> bool:
+    return os.environ.get(ENABLE_ENV, "").strip().lower() in _TRUE
+
+
+def register() -> None:
+    """The entry point. A no-op unless CODRAFT_ENABLE is set."""
+    if not enabled():
+        return
+    from server.compat import require_supported
+
+    version = require_supported()
+    log.info("codraft plugin: vLLM %s supported, hooked internals present", version)

@@ -1,0 +1,375 @@
+"""Live draft swap and policy reload, between engine steps, through vLLM's own load path.
+
+Draft swap. A new checkpoint is read into memory once and checked (`load_checked`: the checks
+of `codraft.draft.load_draft`, the bytes hashed are the bytes loaded): files present, sha256 as
+recorded (and as the caller says), tensor names/shapes/dtypes, d2t/t2d, the contract of the
+serving engine (target hidden size and vocab, tap layers, the running draft's geometry, the
+target fingerprint when the checkpoint records one) and every other config field the running
+drafter baked in (intermediate size, norm eps, rope). Only then are the weights written into the
+running drafter with vLLM's in-place reload (`model_loader.reload.inplace.reload_weights`:
+vLLM's own `load_weights` plus post-load processing such as the CPU build's repacking), which
+runs inside an RPC, i.e. between engine steps. The previous draft's weights stay in memory for
+rollback; if writing the new weights fails, the previous ones are written back.
+
+Policy reload. A new target folder must have the serving target's architecture (same
+`model_fingerprint`) and exactly its tensor names and shapes, with files as long as their
+headers say; then `GPUModelRunner.reload_weights` streams it in place. The KV prefix cache
+computed with the old weights must be reset by the engine's owner afterwards
+(`reset_prefix_cache`); requests in flight during a policy reload see mixed weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from datetime import UTC, datetime
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import safetensors.torch
+import torch
+from safetensors import safe_open
+
+from codraft.draft import checkpoint as ckpt
+from codraft.draft.checkpoint import (
+    CONFIG_NAME,
+    META_NAME,
+    WEIGHTS_NAME,
+    DraftCheckpointError,
+    DraftContract,
+    DraftMeta,
+    sha256_file,
+)
+from codraft.draft.config import DraftConfig
+from codraft.models.config import TargetConfig
+from codraft.models.llama import safetensors_files
+from codraft.tap import model_fingerprint
+
+log = logging.getLogger(__name__)
+# Config fields a running vLLM drafter has baked in; a new draft must agree on all of them.
+_BAKED = tuple(f.name for f in fields(DraftConfig) if f.name != "dtype")
+
+
+class SwapError(Exception):
+    """A request the engine refuses; `status` is the HTTP status the control API returns."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+# ---------------------------------------------------------------------------- drafts
+@dataclass
+class DraftSlot:
+    """A draft the engine serves or keeps for rollback."""
+
+    version: int
+    sha256: str
+    path: str
+    loaded_at: str
+    config: DraftConfig
+    weights: dict[str, torch.Tensor]  # checkpoint names, CPU tensors
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "sha256": self.sha256,
+            "path": self.path,
+            "loaded_at": self.loaded_at,
+            "tap_layers": list(self.config.tap_layers),
+        }
+
+
+def load_checked(
+    root: Path, expect: DraftContract | None = None
+) -> tuple[DraftConfig, DraftMeta, dict[str, torch.Tensor]]:
+    """`codraft.draft.load_draft` without building an `Eagle3Draft`: the same checks with the
+    same messages (config, sidecar, contract, header and length, sha256, tensor names/shapes/
+    dtypes, d2t/t2d) in one read of the weights, whose bytes are the ones loaded. Building the
+    model would cost more than the rest of a swap (it initialises every weight on the CPU).
+    Raises DraftCheckpointError."""
+    # TODO(codraft.draft owner): expose this as a public load_draft_tensors().
+    cfg, meta = ckpt._read_config_and_meta(root, expect)
+    weights = root / WEIGHTS_NAME
+    try:
+        with open(weights, "rb") as f:
+            data = bytearray(os.fstat(f.fileno()).st_size)
+            got = f.readinto(data)
+    except OSError as e:
+        raise DraftCheckpointError(f"{weights}: unreadable: {e}") from None
+    if got != len(data):
+        raise DraftCheckpointError(f"{weights}: changed size while being read")
+    header = ckpt._read_header(io.BytesIO(data), len(data), weights)
+    ckpt._check_sha(hashlib.sha256(data).hexdigest(), meta, weights)
+    ckpt._check_tensors(header, cfg, weights)
+    # Tensors are views of the verified buffer (no second copy).
+    base = 8 + struct.unpack_from("<Q", data)[0]
+    tensors = {}
+    for name, (dt, shape, begin, end) in header.items():
+        dtype = ckpt._ST_DTYPES[dt][0]
+        if end == begin:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
+        flat = torch.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=base + begin)
+        tensors[name] = flat.view(shape)
+    if not cfg.full_vocab:
+        ckpt._check_maps(tensors["d2t"], tensors["t2d"], cfg, weights)
+    return cfg, meta, tensors
+
+
+def read_initial_draft(path: str) -> DraftSlot:
+    """The draft vLLM loaded at start: a codraft checkpoint (version from codraft.json), or any
+    EAGLE-3 folder (version 0)."""
+    root = Path(path)
+    try:
+        cfg, meta, weights = load_checked(root)
+        return DraftSlot(meta.version, meta.weights_sha256, str(root), utc_now(), cfg, weights)
+    except DraftCheckpointError as e:
+        log.warning("initial draft %s is no complete codraft checkpoint (%s): version 0", path, e)
+    cfg = DraftConfig.from_hf_dict(json.loads((root / CONFIG_NAME).read_text()))
+    weights = root / WEIGHTS_NAME
+    return DraftSlot(
+        0, sha256_file(weights), str(root), utc_now(), cfg, safetensors.torch.load_file(weights)
+    )
+
+
+def prepare_draft(
+    path: str, version: int, sha256: str | None, running: DraftSlot, fingerprint: str | None
+) -> DraftSlot:
+    """Read and check a new checkpoint against the running draft (see module doc). Raises
+    SwapError 404 (no such path) or 422 (anything wrong with the checkpoint)."""
+    root = Path(path)
+    if not root.exists():
+        raise SwapError(404, f"draft checkpoint not found: {path} does not exist")
+    contract = DraftContract.of(running.config, exact=True)
+    contract = DraftContract(**{**vars(contract), "target_fingerprint": fingerprint})
+    try:
+        cfg, meta, weights = load_checked(root, contract)
+    except DraftCheckpointError as e:
+        raise SwapError(422, f"draft checkpoint rejected: {e}") from None
+    if meta.version != version:
+        raise SwapError(
+            422,
+            f"{root / META_NAME} records version {meta.version}, the request says {version}: "
+            "publish each version in its own checkpoint directory",
+        )
+    if sha256 is not None and sha256.lower() != meta.weights_sha256:
+        raise SwapError(
+            422,
+            f"sha256 mismatch: the request expects {sha256}, {root / WEIGHTS_NAME} is "
+            f"{meta.weights_sha256}",
+        )
+    differ = [
+        f"{name}: expected {getattr(running.config, name)!r}, found {getattr(cfg, name)!r}"
+        for name in _BAKED
+        if getattr(cfg, name) != getattr(running.config, name)
+    ]
+    if differ:
+        raise SwapError(
+            422,
+            f"draft checkpoint rejected: {root}: config differs from the running draft, which "
+            "cannot change shape or constants in place: " + "; ".join(differ),
+        )
+    return DraftSlot(version, meta.weights_sha256, str(root), utc_now(), cfg, weights)
+
+
+class _DropSharedWarnings(logging.Filter):
+    """The drafter shares the target's embedding (and keeps its rotary tables): vLLM's reload
+    warns that it found no weights for them, which is expected here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not (
+            "Failed to load weights" in text or "weights were not loaded from checkpoint" in text
+        )
+
+
+@contextlib.contextmanager
+def _quiet_shared_warnings() -> Iterator[None]:
+    names = (
+        "vllm.model_executor.model_loader.reload.layerwise",
+        "vllm.model_executor.model_loader.reload.inplace",
+    )
+    filt = _DropSharedWarnings()
+    loggers = [logging.getLogger(n) for n in names]
+    for lg in loggers:
+        lg.addFilter(filt)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(filt)
+
+
+def write_draft_weights(runner: Any, vllm_config: Any, weights: dict[str, torch.Tensor]) -> None:
+    """Write checkpoint-format draft weights into the running drafter, in place."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    spec = vllm_config.speculative_config
+    # reload_weights reads model_config, load_config and lora_config of the config it is given:
+    # the drafter's model config, the engine's load config, no LoRA on the drafter.
+    draft_config = SimpleNamespace(
+        model_config=spec.draft_model_config, load_config=vllm_config.load_config, lora_config=None
+    )
+    with set_current_vllm_config(vllm_config), _quiet_shared_warnings(), torch.inference_mode():
+        reload_weights(draft_config, runner.drafter.model, iter(weights.items()), None, True)
+
+
+# ---------------------------------------------------------------------------- policy
+@dataclass
+class PolicySlot:
+    version: int
+    path: str
+    loaded_at: str
+
+    def info(self) -> dict[str, Any]:
+        return {"version": self.version, "path": self.path, "loaded_at": self.loaded_at}
+
+
+_ST_ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
+
+
+def safetensors_layout(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, shape) of a safetensors file, checking that the file is as long as its
+    header says (a truncated or padded file is refused before any tensor is read)."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{file}: {size} bytes, not a safetensors file")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, 100 << 20):
+            raise ValueError(f"{file}: header length {n} does not fit a {size}-byte file")
+        header = json.loads(f.read(n))
+    out, end = {}, 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape = info["dtype"], tuple(info["shape"])
+        begin, stop = info["data_offsets"]
+        itemsize = _ST_ITEMSIZE.get(dtype)
+        if itemsize is not None and stop - begin != itemsize * math.prod(shape):
+            raise ValueError(
+                f"{file}: tensor {name} spans {stop - begin} bytes, expected "
+                f"{itemsize * math.prod(shape)} for {dtype} {list(shape)}"
+            )
+        out[name] = (dtype, shape)
+        end = max(end, stop)
+    if 8 + n + end != size:
+        what = "truncated" if 8 + n + end > size else "longer than its header says"
+        raise ValueError(f"{file}: {what} ({size} bytes, header describes {8 + n + end})")
+    return out
+
+
+def folder_layout(path: Path) -> tuple[list[Path], dict[str, tuple[str, tuple[int, ...]]]]:
+    files = safetensors_files(path)
+    layout: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file in files:
+        layout.update(safetensors_layout(file))
+    return files, layout
+
+
+def check_policy(path: str, serving: dict[str, Any]) -> list[Path]:
+    """Check a policy folder against the serving target; return its weight files.
+
+    `serving` holds "fingerprint" and "layout" (name -> (dtype, shape)) of the serving target.
+    Raises SwapError 404 / 422."""
+    root = Path(path)
+    if not root.exists():
+        raise SwapError(404, f"policy folder not found: {path} does not exist")
+    try:
+        cfg = TargetConfig.from_pretrained(root)
+        fp = model_fingerprint(cfg)
+    except (OSError, ValueError, TypeError) as e:
+        raise SwapError(422, f"policy {path}: unusable config.json: {e}") from None
+    if fp != serving["fingerprint"]:
+        raise SwapError(
+            422,
+            f"policy {path} has another architecture than the serving target: fingerprint "
+            f"{fp}, expected {serving['fingerprint']} (a policy must keep the target's shapes)",
+        )
+    try:
+        files, layout = folder_layout(root)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        raise SwapError(422, f"policy {path}: unreadable weights: {e}") from None
+    want = serving.get("layout")
+    if want:
+        missing = sorted(set(want) - set(layout))
+        extra = sorted(set(layout) - set(want))
+        shapes = [
+            f"{k} {list(layout[k][1])} (expected {list(want[k][1])})"
+            for k in sorted(set(want) & set(layout))
+            if layout[k][1] != want[k][1]
+        ]
+        problems = []
+        if missing:
+            problems.append(f"missing tensors {missing[:8]}")
+        if extra:
+            problems.append(f"unexpected tensors {extra[:8]}")
+        if shapes:
+            problems.append(f"wrong shapes {shapes[:8]}")
+        if problems:
+            raise SwapError(
+                422, f"policy {path} does not fit the serving target: " + "; ".join(problems)
+            )
+    return files
+
+
+def _stream(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(str(file), framework="pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+def write_policy_weights(runner: Any, vllm_config: Any, files: list[Path]) -> None:
+    """Stream target weights into the running target, in place."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(vllm_config), torch.inference_mode():
+        runner.reload_weights(
+            weights_iterator=_stream(files), weights_path=None, is_checkpoint_format=True
+        )
+
+
+def serving_target(vllm_config: Any) -> dict[str, Any]:
+    """Fingerprint and tensor layout of the target the engine was started with."""
+    model = vllm_config.model_config.model
+    root = Path(model)
+    if (root / "config.json").is_file():
+        fingerprint = model_fingerprint(root)
+        try:
+            layout = folder_layout(root)[1]
+        except (OSError, ValueError, KeyError):
+            layout = {}
+    else:  # a hub id: the config vLLM resolved, no layout to compare against
+        fingerprint = model_fingerprint(vllm_config.model_config.hf_config.to_dict())
+        layout = {}
+    return {"path": os.fspath(model), "fingerprint": fingerprint, "layout": layout}

@@ -1,0 +1,529 @@
+"""The codraft worker extension: capture, tap publishing, live draft swap, policy reload.
+
+Configure it with `worker_extension_cls="server.worker_ext.CodraftWorkerExtension"`, EAGLE-3
+speculative decoding, and (optionally) `additional_config=EngineConfig(...).to_additional_config()`.
+vLLM mixes the class into its worker; the methods below are then reachable through
+`collective_rpc(name, kwargs=...)` (one result per worker; TP ranks answer alike, take [0]).
+They run in the engine's own loop, between engine steps, and never raise: every failure comes
+back as `{"ok": False, "status": <HTTP status>, "error": "<message>"}`, so the engine never dies.
+
+Hooks are installed the first time any codraft RPC runs; the engine's owner calls one right
+after the engine is built, before serving (`codraft serve` does; `codraft_info()` is enough).
+
+RPC interface (all values plain JSON types):
+
+- `codraft_info()` -> {"ok", "draft": {"version", "sha256", "path", "loaded_at", "tap_layers",
+  "previous_version"}, "policy": {"version", "path", "loaded_at"}, "tap": {"enabled", "mode",
+  "sample_rate", "endpoint"}, "vllm_version"}
+- `codraft_load_draft(path, version, sha256=None)` -> {"ok", "draft", "timing_ms": {"check_ms",
+  "write_ms", "cpu_ms"}}; 409 when version is not
+  above the current one, 404 when path does not exist, 422 when the checkpoint fails a check
+  (contract, shapes, vocab, tap layers, checksum, truncated or missing files, version differing
+  from its codraft.json), 500 when writing the weights failed (the previous draft is restored).
+  The previous draft is kept for rollback.
+- `codraft_rollback_draft(reason="manual")` -> {"ok", "draft", "rolled_back_from"}; 409 when
+  there is no previous draft (one level is kept; after a rollback there is none).
+- `codraft_load_policy(path, version)` -> {"ok", "policy", "reset_prefix_cache": True}; 409 /
+  404 / 422 as for drafts. The caller must reset the engine's prefix cache afterwards. Tap
+  messages and stats carry the policy version from then on.
+- `codraft_set_tap(enabled=None, mode=None, sample_rate=None, endpoint=None)` -> {"ok", "tap"};
+  None leaves a setting unchanged; mode "off" is enabled=False; 422 on bad values.
+- `codraft_stats()` -> {"ok", "tap": {"messages_sent", "messages_dropped", "bytes_sent",
+  "bytes_dropped", "queue_depth", "requests_captured", "requests_incomplete",
+  "requests_inconsistent", "requests_sampled_out", "hook_errors"}, "acceptance": {"<draft
+  version>": {"drafts", "draft_tokens", "accepted_tokens", "acceptance_length"}}, "swaps",
+  "rollbacks" (manual + automatic), "auto_rollbacks", "policy_version", "draft_version"}
+- `codraft_request_versions(request_ids)` -> {"ok", "versions": {id: version | None},
+  "current"}: the draft version that produced a response is the one current when its request
+  finished (a request still running: the current one). Ids may be the caller's (OpenAI) ids:
+  vLLM's internal suffix "-xxxxxxxx" and the "<i>_" prefix of n>1 children are matched.
+
+Acceptance is attributed to the draft version that proposed the tokens (the one serving when
+the previous step ran). Automatic rollback: see server.acceptance; it runs at the start of the
+next engine step (or RPC) after the window shows the collapse.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import re
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from server.acceptance import Acceptance, should_roll_back
+from server.capture import Capture, TapTarget
+from server.compat import require_supported
+from server.config import EngineConfig, check_endpoint, check_sample_rate
+from server.hooks import RunnerHooks, StepListener, StepRecord
+from server.publisher import PublisherStats, TapPublisher, sampled
+from server.swap import (
+    PolicySlot,
+    SwapError,
+    check_policy,
+    folder_layout,
+    prepare_draft,
+    read_initial_draft,
+    serving_target,
+    utc_now,
+    write_draft_weights,
+    write_policy_weights,
+)
+
+log = logging.getLogger(__name__)
+_WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _error(status: int, message: str) -> dict[str, Any]:
+    return {"ok": False, "status": status, "error": message}
+
+
+def _int_arg(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SwapError(422, f"{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _str_arg(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise SwapError(422, f"{name} must be a non-empty string, got {value!r}")
+    return value
+
+
+def request_aliases(req_id: str) -> set[str]:
+    """The ids a caller may know an engine request by (see module doc)."""
+    keys = {req_id}
+    child = re.fullmatch(r"\d+_(.+)", req_id)
+    for base in (req_id, child.group(1) if child else None):
+        if base is None:
+            continue
+        keys.add(base)
+        plain = re.fullmatch(r"(.+)-[0-9A-Za-z]{8}", base)
+        if plain:
+            keys.add(plain.group(1))
+    return keys
+
+
+class CodraftEngine(StepListener):
+    """Everything codraft keeps inside one worker (created on the first codraft RPC)."""
+
+    def __init__(self, worker: Any) -> None:
+        self.vllm_version = require_supported()
+        self.worker = worker
+        self.runner = worker.model_runner
+        self.vllm_config = worker.vllm_config
+        self.cfg = EngineConfig.from_vllm_config(self.vllm_config)
+        self._check_engine()
+        from vllm.distributed.parallel_state import get_tp_group
+
+        self.is_sender = get_tp_group().rank_in_group == 0
+        spec = self.vllm_config.speculative_config
+        self.current = read_initial_draft(spec.draft_model_config.model)
+        self.previous = None
+        self.serving = serving_target(self.vllm_config)
+        self.policy = PolicySlot(0, self.serving["path"], utc_now())
+        self.acceptance = Acceptance(self.cfg.rollback_window)
+        self.reference_rate: float | None = None
+        self.proposer_version = self.current.version
+        self.pending_rollback: str | None = None
+        self.swaps = self.rollbacks = self.auto_rollbacks = 0
+        self.versions_by_request: OrderedDict[str, int] = OrderedDict()
+        # tap
+        self.tap_enabled = self.cfg.tap_on
+        self.tap_mode = self.cfg.tap_mode if self.cfg.tap_mode != "off" else "full"
+        self.sample_rate = float(self.cfg.tap_sample_rate)
+        self.endpoint = self.cfg.tap_endpoint
+        self.publisher: TapPublisher | None = None
+        self.closed_totals = PublisherStats()
+        self.sampled_out = 0
+        model_config = self.vllm_config.model_config
+        wire = self.cfg.tap_dtype or {v: k for k, v in _WIRE_DTYPES.items()}.get(
+            model_config.dtype, "bfloat16"
+        )
+        self.capture = Capture(
+            TapTarget(
+                tap_layers=self.current.config.tap_layers,
+                hidden_size=int(model_config.hf_config.hidden_size),
+                fingerprint=self.serving["fingerprint"],
+                dtype=_WIRE_DTYPES[wire],
+                max_model_len=int(model_config.max_model_len),
+            ),
+            want=self._want,
+            emit=self._emit,
+            versions=lambda: (self.policy.version, self.current.version),
+            on_finished=self._finished,
+            max_tokens=self.cfg.tap_max_tokens,
+            requests=lambda: self.runner.requests,
+        )
+        try:
+            self._apply_tap()
+        except SwapError as e:
+            log.error("codraft: tap left off: %s", e)
+        # Last, once nothing above can fail: a failed start must not leave hooks behind.
+        self.hooks = RunnerHooks(self.runner, self.current.config.tap_layers, self)
+        try:
+            self.hooks.install()
+        except Exception:
+            self.close()
+            raise
+        self._wrap_shutdown()
+        log.info(
+            "codraft: hooks installed (vLLM %s, draft v%d, taps %s, tap %s)",
+            self.vllm_version,
+            self.current.version,
+            list(self.current.config.tap_layers),
+            "on" if self.tap_enabled else "off",
+        )
+
+    def _check_engine(self) -> None:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        spec = self.vllm_config.speculative_config
+        if spec is None or spec.method != "eagle3":
+            raise SwapError(
+                503,
+                "codraft needs EAGLE-3 speculative decoding: start the engine with "
+                "speculative_config={'method': 'eagle3', 'model': <draft folder>, ...}",
+            )
+        if not isinstance(self.runner, GPUModelRunner):
+            raise SwapError(
+                503,
+                f"codraft hooks vLLM's v1 GPUModelRunner (and its CPU subclass), found "
+                f"{type(self.runner).__name__}: turn the V2 model runner off",
+            )
+        if self.vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise SwapError(503, "codraft does not support pipeline parallelism in the server")
+        mode = getattr(self.vllm_config.compilation_config, "cudagraph_mode", None)
+        if mode is not None and getattr(mode, "name", str(mode)) != "NONE":
+            raise SwapError(
+                503,
+                "codraft adds an aux layer after the engine is built, which CUDA graphs "
+                "captured before would not see: run with enforce_eager=True for now",
+            )
+
+    def _wrap_shutdown(self) -> None:
+        runner, original = self.runner, self.runner.shutdown
+        me = weakref.ref(self)
+
+        def shutdown(*args: Any, **kwargs: Any) -> Any:
+            engine = me()
+            if engine is not None:
+                engine.close()
+            return original(*args, **kwargs)
+
+        runner.shutdown = shutdown
+        atexit.register(lambda: me() and me().close())
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+            self.closed_totals.add(self.publisher.totals())
+            self.publisher = None
+
+    # ------------------------------------------------------------------ engine steps
+    def before_step(self, scheduler_output: Any) -> None:
+        finished = scheduler_output.finished_req_ids
+        if finished:
+            self.capture.finished(finished)
+        self.run_pending()
+
+    def on_step(self, record: StepRecord, sampled_ids: list[list[int]]) -> None:
+        drafts = draft_tokens = accepted = 0
+        for s, toks in zip(record.slices, sampled_ids, strict=True):
+            if s.num_drafts:
+                drafts += 1
+                draft_tokens += s.num_drafts
+                accepted += s.accepted(toks)
+        self.acceptance.record(self.proposer_version, drafts, draft_tokens, accepted)
+        self.proposer_version = self.current.version
+        self.capture.on_step(record, sampled_ids)
+        if (
+            self.cfg.auto_rollback
+            and self.previous is not None
+            and self.pending_rollback is None
+            and should_roll_back(
+                self.acceptance.window_rate(self.current.version),
+                self.reference_rate,
+                self.cfg.rollback_fraction,
+            )
+        ):
+            rate = self.acceptance.window_rate(self.current.version)
+            self.pending_rollback = (
+                f"auto: draft v{self.current.version} accepts {rate:.3f} of its tokens over "
+                f"{self.cfg.rollback_window}+ verifications, below {self.cfg.rollback_fraction} "
+                f"x v{self.previous.version}'s {self.reference_rate:.3f}"
+            )
+
+    def run_pending(self) -> None:
+        if self.pending_rollback is not None:
+            reason, self.pending_rollback = self.pending_rollback, None
+            if self.previous is not None:
+                self.rollback(reason, auto=True)
+
+    # ------------------------------------------------------------------ tap plumbing
+    def _want(self, req_id: str) -> str | None:
+        if not (self.is_sender and self.tap_enabled and self.publisher is not None):
+            return None
+        if not sampled(req_id, self.sample_rate):
+            self.sampled_out += 1
+            return None
+        return self.tap_mode
+
+    def _emit(self, msg: Any) -> None:
+        if self.publisher is not None:
+            self.publisher.put(msg)
+
+    def _finished(self, req_id: str) -> None:
+        version = self.current.version
+        for key in request_aliases(req_id):
+            self.versions_by_request[key] = max(version, self.versions_by_request.get(key, -1))
+            self.versions_by_request.move_to_end(key)
+        while len(self.versions_by_request) > self.cfg.request_versions_max:
+            self.versions_by_request.popitem(last=False)
+
+    def _apply_tap(self) -> None:
+        want = self.is_sender and self.tap_enabled and self.endpoint is not None
+        if self.publisher is not None and (not want or self.publisher.endpoint != self.endpoint):
+            self.close()
+        if want and self.publisher is None:
+            try:
+                self.publisher = TapPublisher(
+                    self.endpoint,
+                    queue_size=self.cfg.tap_queue_size,
+                    hwm=self.cfg.tap_hwm,
+                    linger_ms=self.cfg.tap_linger_ms,
+                )
+            except ValueError as e:
+                self.tap_enabled = False
+                raise SwapError(422, str(e)) from None
+        if not self.tap_enabled:
+            self.capture.drop_all()
+
+    # ------------------------------------------------------------------ RPC bodies
+    def info(self) -> dict[str, Any]:
+        draft = {
+            **self.current.info(),
+            "previous_version": self.previous.version if self.previous else None,
+        }
+        return {
+            "ok": True,
+            "draft": draft,
+            "policy": self.policy.info(),
+            "tap": self.tap_info(),
+            "vllm_version": self.vllm_version,
+        }
+
+    def tap_info(self) -> dict[str, Any]:
+        return {
+            "enabled": self.tap_enabled,
+            "mode": self.tap_mode,
+            "sample_rate": self.sample_rate,
+            "endpoint": self.endpoint,
+        }
+
+    def load_draft(self, path: Any, version: Any, sha256: Any = None) -> dict[str, Any]:
+        path, version = _str_arg("path", path), _int_arg("version", version)
+        if sha256 is not None and not (isinstance(sha256, str) and len(sha256) == 64):
+            raise SwapError(422, f"sha256 must be 64 hex digits or null, got {sha256!r}")
+        if version <= self.current.version:
+            raise SwapError(
+                409,
+                f"draft version {version} is not newer than the serving version "
+                f"{self.current.version}",
+            )
+        t0, c0 = time.perf_counter(), time.thread_time()
+        slot = prepare_draft(path, version, sha256, self.current, self.serving["fingerprint"])
+        t1 = time.perf_counter()
+        self._write_draft(slot.weights, restore=self.current.weights)
+        t2, c2 = time.perf_counter(), time.thread_time()
+        self.reference_rate = self.acceptance.window_rate(self.current.version)
+        self.previous, self.current = self.current, slot
+        self.acceptance.reset_window(slot.version)
+        self.swaps += 1
+        timing = {
+            "check_ms": 1e3 * (t1 - t0),
+            "write_ms": 1e3 * (t2 - t1),
+            "cpu_ms": 1e3 * (c2 - c0),  # this thread's CPU time: the cost on an idle machine
+        }
+        log.info("codraft: draft v%d -> v%d (%s, %s)", self.previous.version, version, path, timing)
+        return {"ok": True, "draft": self.info()["draft"], "timing_ms": timing}
+
+    def rollback(self, reason: Any = "manual", auto: bool = False) -> dict[str, Any]:
+        if self.previous is None:
+            raise SwapError(
+                409,
+                f"no previous draft to roll back to (serving v{self.current.version}; one "
+                "level is kept, and a rollback uses it up)",
+            )
+        prev, rolled = self.previous, self.current
+        self._write_draft(prev.weights, restore=rolled.weights)
+        self.current, self.previous = replace(prev, loaded_at=utc_now()), None
+        self.acceptance.reset_window(prev.version)
+        self.reference_rate = None
+        self.rollbacks += 1
+        self.auto_rollbacks += int(auto)
+        log.warning(
+            "codraft: draft v%d rolled back to v%d (%s)", rolled.version, prev.version, reason
+        )
+        return {"ok": True, "draft": self.info()["draft"], "rolled_back_from": rolled.version}
+
+    def _write_draft(self, weights: dict, restore: dict) -> None:
+        try:
+            write_draft_weights(self.runner, self.vllm_config, weights)
+        except Exception as e:
+            log.exception("codraft: writing draft weights failed; restoring the serving draft")
+            try:
+                write_draft_weights(self.runner, self.vllm_config, restore)
+            except Exception as e2:
+                raise SwapError(
+                    500, f"writing draft weights failed ({e}) and restoring failed too ({e2})"
+                ) from None
+            raise SwapError(500, f"writing draft weights failed ({e}); old draft kept") from None
+
+    def load_policy(self, path: Any, version: Any) -> dict[str, Any]:
+        path, version = _str_arg("path", path), _int_arg("version", version)
+        if version <= self.policy.version:
+            raise SwapError(
+                409,
+                f"policy version {version} is not newer than the serving version "
+                f"{self.policy.version}",
+            )
+        files = check_policy(path, self.serving)
+        try:
+            write_policy_weights(self.runner, self.vllm_config, files)
+        except Exception as e:
+            log.exception("codraft: policy reload failed; restoring %s", self.policy.path)
+            try:
+                old_files = folder_layout(Path(self.policy.path))[0]
+                write_policy_weights(self.runner, self.vllm_config, old_files)
+            except Exception as e2:
+                raise SwapError(
+                    500,
+                    f"policy reload failed ({e}) and restoring {self.policy.path} failed too "
+                    f"({e2}): the target's weights are undefined, restart the engine",
+                ) from None
+            raise SwapError(500, f"policy reload failed ({e}); previous policy restored") from None
+        self.policy = PolicySlot(version, path, utc_now())
+        log.info("codraft: policy v%d loaded from %s", version, path)
+        return {"ok": True, "policy": self.policy.info(), "reset_prefix_cache": True}
+
+    def set_tap(
+        self, enabled: Any = None, mode: Any = None, sample_rate: Any = None, endpoint: Any = None
+    ) -> dict[str, Any]:
+        if enabled is not None and not isinstance(enabled, bool):
+            raise SwapError(422, f"enabled must be true, false or null, got {enabled!r}")
+        if mode is not None and mode not in ("full", "ids", "off"):
+            raise SwapError(422, f"mode must be 'full', 'ids', 'off' or null, got {mode!r}")
+        try:
+            rate = check_sample_rate(sample_rate) if sample_rate is not None else self.sample_rate
+            new_endpoint = check_endpoint(endpoint) if endpoint is not None else self.endpoint
+        except ValueError as e:
+            raise SwapError(422, str(e)) from None
+        on = self.tap_enabled if enabled is None else enabled
+        if mode == "off":
+            on = False
+        if on and new_endpoint is None:
+            raise SwapError(422, "cannot enable the tap without an endpoint: give endpoint too")
+        if mode in ("full", "ids"):
+            self.tap_mode = mode
+        self.tap_enabled, self.sample_rate, self.endpoint = on, rate, new_endpoint
+        self._apply_tap()
+        return {"ok": True, "tap": self.tap_info()}
+
+    def stats(self) -> dict[str, Any]:
+        totals = PublisherStats(**vars(self.closed_totals))
+        depth = 0
+        if self.publisher is not None:
+            totals.add(self.publisher.totals())
+            depth = self.publisher.stats()["queue_depth"]
+        c = self.capture.stats
+        return {
+            "ok": True,
+            "tap": {
+                **vars(totals),
+                "queue_depth": depth,
+                "requests_captured": c.requests_captured,
+                "requests_incomplete": c.requests_incomplete,
+                "requests_inconsistent": c.requests_inconsistent,
+                "requests_sampled_out": self.sampled_out,
+                "hook_errors": self.hooks.errors,
+            },
+            "acceptance": self.acceptance.snapshot(),
+            "swaps": self.swaps,
+            "rollbacks": self.rollbacks,
+            "auto_rollbacks": self.auto_rollbacks,
+            "policy_version": self.policy.version,
+            "draft_version": self.current.version,
+        }
+
+    def request_versions(self, request_ids: Any) -> dict[str, Any]:
+        if not isinstance(request_ids, list | tuple) or not all(
+            isinstance(r, str) for r in request_ids
+        ):
+            raise SwapError(422, f"request_ids must be a list of strings, got {request_ids!r}")
+        running: set[str] = set()
+        for rid in self.runner.requests:
+            running |= request_aliases(rid)
+        versions: dict[str, int | None] = {}
+        for rid in request_ids:
+            if rid in running:
+                versions[rid] = self.current.version
+            else:
+                versions[rid] = self.versions_by_request.get(rid)
+        return {"ok": True, "versions": versions, "current": self.current.version}
+
+
+class CodraftWorkerExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`); see the module doc for the RPCs."""
+
+    def codraft_info(self) -> dict[str, Any]:
+        return self._codraft_call(lambda e: e.info())
+
+    def codraft_load_draft(self, path: str, version: int, sha256: str | None = None) -> dict:
+        return self._codraft_call(lambda e: e.load_draft(path, version, sha256))
+
+    def codraft_rollback_draft(self, reason: str = "manual") -> dict[str, Any]:
+        return self._codraft_call(lambda e: e.rollback(f"manual: {reason}"))
+
+    def codraft_load_policy(self, path: str, version: int) -> dict[str, Any]:
+        return self._codraft_call(lambda e: e.load_policy(path, version))
+
+    def codraft_set_tap(
+        self,
+        enabled: bool | None = None,
+        mode: str | None = None,
+        sample_rate: float | None = None,
+        endpoint: str | None = None,
+    ) -> dict[str, Any]:
+        return self._codraft_call(lambda e: e.set_tap(enabled, mode, sample_rate, endpoint))
+
+    def codraft_stats(self) -> dict[str, Any]:
+        return self._codraft_call(lambda e: e.stats())
+
+    def codraft_request_versions(self, request_ids: list[str]) -> dict[str, Any]:
+        return self._codraft_call(lambda e: e.request_versions(request_ids))
+
+    # ------------------------------------------------------------------ plumbing
+    def _codraft_call(self, body: Callable[[CodraftEngine], dict[str, Any]]) -> dict[str, Any]:
+        try:
+            engine = self.__dict__.get("_codraft_state")
+            if engine is None:
+                engine = CodraftEngine(self)
+                self.__dict__["_codraft_state"] = engine
+            try:
+                engine.run_pending()
+            except Exception:
+                log.exception("codraft: pending automatic rollback failed")
+            return body(engine)
+        except SwapError as e:
+            return _error(e.status, str(e))
+        except Exception as e:
+            log.exception("codraft RPC failed")
+            return _error(500, f"{type(e).__name__}: {e}")
