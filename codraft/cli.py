@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+PASSTHROUGH = {"serve"}  # subcommands that hand unknown arguments on (to vLLM)
+
 
 def _prepare(args: argparse.Namespace) -> int:
     from codraft.prepare import prepare_smollm2
@@ -26,10 +28,38 @@ def _tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _learn(args: argparse.Namespace) -> int:
+    from learner.cli import main as learn_main
+
+    return learn_main(args)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from server.generate import main as generate_main
 
     return generate_main(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from server.vllm_env import ensure_cpu_preload
+
+    ensure_cpu_preload()  # re-executes once with Intel OpenMP preloaded (CPU machines)
+    from server.serve import main as serve_main
+    from server.serve_config import config_from_args
+
+    try:
+        cfg = config_from_args(args, args._extra)
+    except ValueError as e:
+        print(f"codraft serve: {e}", file=sys.stderr)
+        return 2
+    return serve_main(cfg)
+
+
+def _record(args: argparse.Namespace) -> int:
+    from server.record import config_from_args
+    from server.record import main as record_main
+
+    return record_main(config_from_args(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,13 +88,44 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_arguments(sp)
     commands["generate"] = _generate
 
+    from server.serve_config import add_arguments as add_serve_arguments
+
+    sp = sub.add_parser(
+        "serve",
+        allow_abbrev=False,
+        help="vLLM's OpenAI server with an EAGLE-3 draft, the tap and the codraft control API",
+        description="Arguments codraft serve does not know are passed to vLLM "
+        "(e.g. --max-num-seqs 32).",
+    )
+    add_serve_arguments(sp)
+    commands["serve"] = _serve
+
+    from server.record import add_arguments as add_record_arguments
+
+    sp = sub.add_parser("record", help="write a server's tap stream to tap files")
+    add_record_arguments(sp)
+    commands["record"] = _record
+
+    from learner.cli import add_arguments as add_learn_arguments
+
+    sp = sub.add_parser("learn", help="train an EAGLE-3 draft (offline: --from-dir tap files)")
+    add_learn_arguments(sp)
+    commands["learn"] = _learn
+
+    from client.commands import add_client_commands
+
+    add_client_commands(sub, commands)
+
     p.set_defaults(_commands=commands)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command not in PASSTHROUGH:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args._extra = extra
     raise SystemExit(args._commands[args.command](args))
 
 

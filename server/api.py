@@ -1,0 +1,446 @@
+"""The codraft control API: draft swaps, policy updates, the tap, probes (DESIGN.md section 8).
+
+Every route is a thin layer over one `collective_rpc` method of the worker extension
+(`server.worker_ext.CodraftWorkerExtension`); rank 0's reply is the answer. A reply
+`{"ok": False, "status": S, "error": M}` becomes HTTP S (400..599) with `{"detail": M}`.
+
+- `control_router(control, auth)`: GET/POST /v1/draft, POST /v1/draft/rollback, POST /v1/policy,
+  GET/PUT /v1/tap, all behind the bearer-token dependency `auth`.
+- `probe_router(control)`: GET /health (engine alive), GET /ready (engine ready and a draft
+  loaded); unauthenticated. /metrics is in `server.metrics`.
+- `BodyLimit`: ASGI middleware, 413 for control request bodies over `max_body_bytes`, before a
+  single byte more is read.
+
+Bodies are parsed here (not by FastAPI) so that authentication always comes first and every
+malformed body is a 422 naming what was expected; pydantic models reject unknown fields. With a
+checkpoint root configured (`codraft serve --checkpoint-root`), draft and policy paths must
+resolve inside it (403 otherwise). Engine failures that are not the request's fault: 502 (bad
+reply or RPC error), 503 (engine dead), 504 (no answer in time). Draft swaps, rollbacks and
+policy loads share one lock: one runs at a time, the others wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.auth import ControlError, bearer_auth, control_error_response
+
+log = logging.getLogger(__name__)
+
+MAX_VERSION = 2**63 - 1
+CONTROL_PATHS = frozenset({"/v1/draft", "/v1/draft/rollback", "/v1/policy", "/v1/tap"})
+
+
+@dataclass
+class ControlSettings:
+    rpc_timeout_s: float = 120.0  # a draft or policy load (sha256 + contract + swap)
+    probe_timeout_s: float = 5.0  # /ready, /metrics, GET routes
+    swap_wait_s: float = 300.0  # how long a swap waits for the one in progress
+    refresh_s: float = 0.5  # how often the cached draft/policy versions are re-read
+    max_body_bytes: int = 8192
+    checkpoint_root: str | None = None  # if set, loaded paths must resolve inside it
+
+
+# ------------------------------------------------------------------------- request bodies
+_Path = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]
+_Version = Annotated[StrictInt, Field(ge=0, le=MAX_VERSION)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DraftLoadRequest(_Body):
+    version: _Version
+    path: _Path
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+
+
+class RollbackRequest(_Body):
+    reason: Annotated[str, Field(max_length=200)] = "manual"
+
+
+class PolicyLoadRequest(_Body):
+    version: _Version
+    path: _Path
+
+
+class TapUpdateRequest(_Body):
+    enabled: StrictBool | None = None
+    mode: Literal["full", "ids", "off"] | None = None
+    sample_rate: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    endpoint: (
+        Annotated[str, Field(max_length=4096, pattern=r"^(tcp|ipc|inproc)://[^\s\x00]+$")] | None
+    ) = None
+
+
+B = TypeVar("B", bound=_Body)
+
+
+def _loc(err: dict[str, Any]) -> str:
+    return ".".join(str(p) for p in err.get("loc", ())) or "body"
+
+
+async def read_body(request: Request, model: type[B], *, empty_ok: bool = False) -> B:
+    """Parse the JSON body as `model`; 422 with a readable message on anything else."""
+    raw = await request.body()
+    if not raw.strip():
+        if empty_ok:
+            return model()
+        raise ControlError(422, f"expected a JSON object with fields {list(model.model_fields)}")
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ControlError(422, f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ControlError(422, f"expected a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{_loc(err)}: {err['msg']} (got {str(err.get('input'))[:80]!r})"
+            if err.get("type") != "missing"
+            else f"{_loc(err)}: field required"
+            for err in e.errors()
+        )
+        raise ControlError(422, f"invalid {model.__name__}: {problems}") from None
+
+
+# ------------------------------------------------------------------------- engine RPCs
+class EngineControl:
+    """The codraft RPCs of one engine client, with the swap lock and a cached version pair.
+
+    The cache (`versions()`) feeds the X-Codraft-*-Version response headers without an engine
+    round trip per request: swaps through this API update it from their reply at once; a
+    background task re-reads it every `refresh_s` (to see automatic rollbacks).
+    """
+
+    def __init__(self, engine: Any, settings: ControlSettings | None = None) -> None:
+        self.engine = engine
+        self.settings = settings or ControlSettings()
+        self.swap_lock = asyncio.Lock()
+        self.draft_version: int | None = None
+        self.policy_version: int | None = None
+        self._epoch = 0  # bumped by every swap, so a slower refresh never undoes it
+        self.draining = False  # set on SIGTERM: /ready answers 503 while requests drain
+        self._refresher: asyncio.Task | None = None
+
+    async def rpc(self, method: str, timeout: float | None = None, **kwargs: Any) -> dict:
+        """Rank 0's reply to `method(**kwargs)`; ControlError for failures of any kind."""
+        timeout = timeout or self.settings.rpc_timeout_s
+        try:
+            replies = await asyncio.wait_for(
+                self.engine.collective_rpc(method, timeout=timeout, kwargs=kwargs),
+                timeout + min(5.0, timeout),
+            )
+        except TimeoutError:
+            raise ControlError(
+                504, f"engine did not answer {method} within {timeout:.0f} s"
+            ) from None
+        except Exception as e:  # engine dead, worker extension missing, RPC raised
+            if type(e).__name__ == "EngineDeadError":
+                raise ControlError(503, f"the engine is dead: {e}") from e
+            raise ControlError(
+                502, f"engine RPC {method} failed: {type(e).__name__}: {e}"[:2000]
+            ) from e
+        reply = replies[0] if isinstance(replies, list | tuple) and replies else replies
+        if not isinstance(reply, dict) or "ok" not in reply:
+            raise ControlError(
+                502, f"engine RPC {method} answered {str(reply)[:200]!r}; expected a dict with 'ok'"
+            )
+        if not reply["ok"]:
+            status = reply.get("status")
+            status = status if isinstance(status, int) and 400 <= status <= 599 else 500
+            raise ControlError(status, str(reply.get("error") or f"{method} failed")[:4000])
+        return reply
+
+    # -------------------------------------------------------------- cached versions
+    def versions(self) -> tuple[int | None, int | None]:
+        return self.draft_version, self.policy_version
+
+    def _note(self, reply: dict) -> None:
+        draft, policy = reply.get("draft"), reply.get("policy")
+        if isinstance(draft, dict) and "version" in draft:
+            self.draft_version = draft["version"]
+        if isinstance(policy, dict) and "version" in policy:
+            self.policy_version = policy["version"]
+
+    async def info(self) -> dict:
+        epoch = self._epoch
+        reply = await self.rpc("codraft_info", timeout=self.settings.probe_timeout_s)
+        if epoch == self._epoch and not self.swap_lock.locked():
+            self._note(reply)
+        return reply
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.refresh_s)
+            try:
+                await self.info()
+            except ControlError as e:
+                log.debug("codraft_info refresh failed: %s", e.message)
+
+    def start(self) -> None:
+        if self._refresher is None:
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
+
+    def stop_refreshing(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+
+    async def stop(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
+            self._refresher = None
+
+    # -------------------------------------------------------------- swaps
+    async def swap(self, method: str, **kwargs: Any) -> dict:
+        """Run a state-changing RPC under the swap lock and update the cached versions."""
+        try:
+            await asyncio.wait_for(self.swap_lock.acquire(), self.settings.swap_wait_s)
+        except TimeoutError:
+            raise ControlError(
+                503, f"another swap has held the lock for over {self.settings.swap_wait_s:.0f} s"
+            ) from None
+        try:
+            self._epoch += 1
+            t0 = time.perf_counter()
+            reply = await self.rpc(method, **kwargs)
+            self._note(reply)
+            log.info("%s done in %.1f ms", method, 1000 * (time.perf_counter() - t0))
+            return reply
+        finally:
+            self._epoch += 1
+            self.swap_lock.release()
+
+
+# ------------------------------------------------------------------------- routes
+def checked_path(control: EngineControl, path: str) -> str:
+    """`path` with symlinks resolved; 403 when a checkpoint root is set and it lies outside."""
+    real = os.path.realpath(path)
+    root = control.settings.checkpoint_root
+    if root is not None:
+        top = os.path.realpath(root)
+        if os.path.commonpath([top, real]) != top:
+            raise ControlError(
+                403,
+                f"{path} is outside the checkpoint root {root} this server loads from; publish "
+                "checkpoints under it",
+            )
+    return real
+
+
+async def draft_state(control: EngineControl) -> dict:
+    """The loaded draft (codraft_info) with the acceptance stats of its version."""
+    info, stats = await asyncio.gather(
+        control.info(), control.rpc("codraft_stats", timeout=control.settings.probe_timeout_s)
+    )
+    draft = dict(info.get("draft") or {})
+    acceptance = stats.get("acceptance") or {}
+    draft["acceptance"] = acceptance.get(str(draft.get("version")))
+    return draft
+
+
+class ControlRoute(APIRoute):
+    """A route that answers ControlError itself (from the auth dependency, body parsing or the
+    engine) as `{"detail": message}`: the app's exception handlers are not involved, so the
+    routes behave the same on vLLM's app (whose handlers reshape errors into OpenAI's format and
+    whose middleware stack is built before codraft's routes are added) as on the control app."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handler = super().get_route_handler()
+
+        async def answer(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except ControlError as e:
+                return await control_error_response(request, e)
+
+        return answer
+
+
+def control_router(control: EngineControl, auth: Callable[..., Awaitable[None]]) -> APIRouter:
+    r = APIRouter(dependencies=[Depends(auth)], tags=["codraft control"], route_class=ControlRoute)
+
+    @r.get("/v1/draft")
+    async def get_draft() -> dict:
+        """The loaded draft: version, sha256, path, loaded_at, tap layers, acceptance stats."""
+        return await draft_state(control)
+
+    @r.post("/v1/draft")
+    async def post_draft(request: Request) -> dict:
+        """Load a new draft {version, path, sha256}: 409 not newer, 422 contract or checksum,
+        404 missing; the previous draft keeps serving on every failure."""
+        body = await read_body(request, DraftLoadRequest)
+        path = checked_path(control, body.path)
+        reply = await control.swap(
+            "codraft_load_draft", path=path, version=body.version, sha256=body.sha256
+        )
+        return reply["draft"]
+
+    @r.post("/v1/draft/rollback")
+    async def rollback_draft(request: Request) -> dict:
+        """Go back to the previous draft; 409 when there is none."""
+        body = await read_body(request, RollbackRequest, empty_ok=True)
+        reply = await control.swap("codraft_rollback_draft", reason=body.reason)
+        return reply["draft"]
+
+    @r.post("/v1/policy")
+    async def post_policy(request: Request) -> dict:
+        """Load new target (policy) weights {version, path}."""
+        body = await read_body(request, PolicyLoadRequest)
+        path = checked_path(control, body.path)
+        reply = await control.swap("codraft_load_policy", path=path, version=body.version)
+        if reply.get("reset_prefix_cache"):
+            # KV computed with the old weights must not be reused: drop the prefix cache and
+            # recompute running requests with the new weights.
+            try:
+                await control.engine.reset_prefix_cache(reset_running_requests=True)
+            except Exception as e:
+                raise ControlError(
+                    500,
+                    f"policy v{body.version} is loaded but resetting the prefix cache failed "
+                    f"({type(e).__name__}: {e}); cached KV of the old policy may be reused",
+                ) from e
+        return reply["policy"]
+
+    @r.get("/v1/tap")
+    async def get_tap() -> dict:
+        """The tap settings and its counters."""
+        info, stats = await asyncio.gather(
+            control.info(), control.rpc("codraft_stats", timeout=control.settings.probe_timeout_s)
+        )
+        return {**(info.get("tap") or {}), "stats": stats.get("tap") or {}}
+
+    @r.put("/v1/tap")
+    async def put_tap(request: Request) -> dict:
+        """Change any of {enabled, mode, sample_rate, endpoint}; the others stay."""
+        body = await read_body(request, TapUpdateRequest)
+        reply = await control.rpc("codraft_set_tap", **body.model_dump(exclude_none=True))
+        return reply["tap"]
+
+    return r
+
+
+def probe_router(control: EngineControl, paths: Iterable[str] = ("/health", "/ready")) -> APIRouter:
+    """/health and /ready (those named in `paths`); no authentication."""
+    r = APIRouter(tags=["probes"], route_class=ControlRoute)
+    wanted = set(paths)
+
+    async def health() -> JSONResponse:
+        """200 while the engine is alive, 503 otherwise."""
+        try:
+            await asyncio.wait_for(control.engine.check_health(), control.settings.probe_timeout_s)
+        except Exception as e:
+            return JSONResponse({"status": "dead", "detail": str(e)[:500]}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def ready() -> JSONResponse:
+        """200 when the engine answers and a draft is loaded, 503 otherwise (and while the
+        server shuts down)."""
+        if control.draining:
+            return JSONResponse({"ready": False, "detail": "shutting down"}, status_code=503)
+        try:
+            info = await control.info()
+        except ControlError as e:
+            return JSONResponse({"ready": False, "detail": e.message}, status_code=503)
+        version = (info.get("draft") or {}).get("version")
+        if version is None:
+            return JSONResponse({"ready": False, "detail": "no draft loaded"}, status_code=503)
+        return JSONResponse(
+            {
+                "ready": True,
+                "draft_version": version,
+                "policy_version": (info.get("policy") or {}).get("version"),
+            }
+        )
+
+    for path, fn in (("/health", health), ("/ready", ready)):
+        if path in wanted:
+            r.add_api_route(path, fn, methods=["GET"])
+    return r
+
+
+# ------------------------------------------------------------------------- body limit
+class BodyLimit:
+    """413 for a request to `paths` whose body exceeds `max_bytes`, declared or streamed: the
+    declared length is checked before the body is read, a streamed body as it arrives."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, paths: Iterable[str] = CONTROL_PATHS):
+        self.app = app
+        self.max_bytes = max_bytes
+        self.paths = frozenset(paths)
+
+    def _error(self, size: str) -> ControlError:
+        return ControlError(
+            413, f"request body is {size} bytes; control requests are limited to {self.max_bytes}"
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "").removeprefix(scope.get("root_path", "")) or "/"
+        if scope["type"] != "http" or path not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        error = None
+        if declared is not None and not declared.isdigit():
+            error = ControlError(400, f"invalid Content-Length {declared[:40]!r}")
+        elif declared is not None and int(declared) > self.max_bytes:
+            error = self._error(declared.decode())
+        if error is not None:
+            response = await control_error_response(None, error)  # type: ignore[arg-type]
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self._error(f"over {self.max_bytes}")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+# ------------------------------------------------------------------------- wiring
+def add_outer_middleware(app: FastAPI, cls: type, **kwargs: Any) -> None:
+    """Wrap `app` in ASGI middleware `cls`. vLLM's app has built its middleware stack already
+    (its SageMaker bootstrap does), so Starlette's add_middleware would refuse: wrap the built
+    stack instead, which also keeps vLLM's middleware instances as they are."""
+    if app.middleware_stack is None:
+        app.add_middleware(cls, **kwargs)
+    else:
+        app.middleware_stack = cls(app.middleware_stack, **kwargs)
+
+
+def install_control(
+    app: FastAPI,
+    control: EngineControl,
+    token: str | None,
+    *,
+    control_routes: bool = True,
+    probes: Iterable[str] = ("/health", "/ready"),
+) -> None:
+    """Add the codraft control routes (when `control_routes`), the probes named in `probes` and
+    the body limit to `app`. Call before the app serves."""
+    if control_routes:
+        app.include_router(control_router(control, bearer_auth(token)))
+        add_outer_middleware(app, BodyLimit, max_bytes=control.settings.max_body_bytes)
+    app.include_router(probe_router(control, probes))

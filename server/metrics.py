@@ -1,0 +1,150 @@
+"""GET /metrics: vLLM's own Prometheus metrics plus codraft's, in one text exposition.
+
+codraft's counters live in the engine (the worker extension); `CodraftCollector` turns the last
+`codraft_stats`/`codraft_info` replies into Prometheus families, and every scrape refreshes them
+first (bounded by the probe timeout; a failed refresh serves the previous values and counts
+`codraft_stats_refresh_errors_total`). The route is unauthenticated, as scrape endpoints
+usually are: it exposes versions and counters, nothing that changes the server.
+
+Metrics (counters carry the `_total` suffix in the exposition):
+  codraft_tap_messages_sent, codraft_tap_messages_dropped, codraft_tap_bytes_sent,
+  codraft_tap_bytes_dropped (counters), codraft_tap_queue_depth, codraft_tap_enabled,
+  codraft_tap_sample_rate (gauges);
+  codraft_draft_drafts, codraft_draft_draft_tokens, codraft_draft_accepted_tokens
+  (counters, label version), codraft_draft_acceptance_length (gauge, label version);
+  codraft_draft_swaps, codraft_draft_rollbacks, codraft_draft_auto_rollbacks (counters);
+  codraft_draft_version, codraft_policy_version (gauges).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.routing import Route
+
+from server.api import EngineControl
+from server.auth import ControlError
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    return float(value) if isinstance(value, int | float) else None
+
+
+class CodraftCollector(Collector):
+    """Prometheus families from the latest codraft_stats and codraft_info replies."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, Any] = {}
+        self.info: dict[str, Any] = {}
+
+    def update(self, stats: dict[str, Any] | None, info: dict[str, Any] | None) -> None:
+        if stats is not None:
+            self.stats = stats
+        if info is not None:
+            self.info = info
+
+    def collect(self) -> Iterator[Metric]:
+        tap = self.stats.get("tap") or {}
+        for key, doc in (
+            ("messages_sent", "tap messages handed to ZeroMQ"),
+            ("messages_dropped", "tap messages dropped (queue full or no learner)"),
+            ("bytes_sent", "tap bytes handed to ZeroMQ"),
+            ("bytes_dropped", "tap bytes dropped"),
+        ):
+            if (v := _num(tap.get(key))) is not None:
+                yield CounterMetricFamily(f"codraft_tap_{key}", doc, value=v)
+        if (v := _num(tap.get("queue_depth"))) is not None:
+            yield GaugeMetricFamily("codraft_tap_queue_depth", "tap messages queued", value=v)
+        tap_cfg = self.info.get("tap") or {}
+        if (v := _num(tap_cfg.get("enabled"))) is not None:
+            yield GaugeMetricFamily("codraft_tap_enabled", "1 when the tap streams", value=v)
+        if (v := _num(tap_cfg.get("sample_rate"))) is not None:
+            yield GaugeMetricFamily("codraft_tap_sample_rate", "tap sample rate", value=v)
+
+        acceptance = self.stats.get("acceptance") or {}
+        families = {
+            "drafts": CounterMetricFamily(
+                "codraft_draft_drafts", "verification steps by draft version", labels=["version"]
+            ),
+            "draft_tokens": CounterMetricFamily(
+                "codraft_draft_draft_tokens", "proposed draft tokens", labels=["version"]
+            ),
+            "accepted_tokens": CounterMetricFamily(
+                "codraft_draft_accepted_tokens", "accepted draft tokens", labels=["version"]
+            ),
+            "acceptance_length": GaugeMetricFamily(
+                "codraft_draft_acceptance_length",
+                "mean tokens per verification step",
+                labels=["version"],
+            ),
+        }
+        for version, row in sorted(acceptance.items(), key=lambda kv: str(kv[0])):
+            if not isinstance(row, dict):
+                continue
+            for key, family in families.items():
+                if (v := _num(row.get(key))) is not None:
+                    family.add_metric([str(version)], v)
+        yield from families.values()
+
+        for key, doc in (
+            ("swaps", "draft swaps"),
+            ("rollbacks", "draft rollbacks (manual and automatic)"),
+            ("auto_rollbacks", "automatic draft rollbacks"),
+        ):
+            if (v := _num(self.stats.get(key))) is not None:
+                yield CounterMetricFamily(f"codraft_draft_{key}", doc, value=v)
+        draft_version = _num((self.info.get("draft") or {}).get("version"))
+        if draft_version is not None:
+            yield GaugeMetricFamily("codraft_draft_version", "loaded draft", value=draft_version)
+        policy = _num(self.stats.get("policy_version"))
+        if policy is None:
+            policy = _num((self.info.get("policy") or {}).get("version"))
+        if policy is not None:
+            yield GaugeMetricFamily("codraft_policy_version", "loaded policy", value=policy)
+
+
+class MetricsEndpoint:
+    """Renders vLLM's registry followed by codraft's own (refreshed from the engine first)."""
+
+    def __init__(self, control: EngineControl) -> None:
+        self.control = control
+        self.collector = CodraftCollector()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self.collector)
+        self.refresh_errors = Counter(
+            "codraft_stats_refresh_errors",
+            "failed refreshes of codraft stats at scrape time",
+            registry=self.registry,
+        )
+
+    async def refresh(self) -> None:
+        timeout = self.control.settings.probe_timeout_s
+        try:
+            stats, info = await asyncio.gather(
+                self.control.rpc("codraft_stats", timeout=timeout), self.control.info()
+            )
+        except ControlError:
+            self.refresh_errors.inc()
+            return
+        self.collector.update(stats, info)
+
+    async def handle(self, request: Request) -> Response:
+        await self.refresh()
+        from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+        body = generate_latest(get_prometheus_registry()) + generate_latest(self.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+def install_metrics(app: FastAPI, endpoint: MetricsEndpoint) -> None:
+    """Serve `endpoint` at /metrics on `app`, ahead of any /metrics route already there (vLLM
+    mounts its own)."""
+    app.router.routes.insert(0, Route("/metrics", endpoint.handle, methods=["GET"]))

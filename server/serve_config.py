@@ -1,0 +1,288 @@
+"""`codraft serve` settings: one dataclass with defaults that work, filled from the CLI, and
+their translation into vLLM's serve arguments (model, initial draft, speculative config, the
+worker extension and its settings in `additional_config`).
+
+Anything `codraft serve` does not know is handed to vLLM's own argument parser unchanged
+(e.g. `--max-num-seqs 32`), so every vLLM serving option stays reachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import json
+import logging
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("codraft.serve")
+
+TOKEN_ENV = "CODRAFT_CONTROL_TOKEN"
+TAP_MODES = ("full", "ids", "off")
+
+
+@dataclass
+class ServeConfig:
+    """Everything `codraft serve` needs. Defaults: SmolLM2, an untrained draft, 127.0.0.1."""
+
+    model: str = "smollm2"  # 'smollm2' (prepared offline) or a model folder
+    draft: str | None = None  # EAGLE-3 draft folder; None builds an untrained one (version 0)
+    num_speculative_tokens: int = 3
+    draft_vocab_size: int = 8192  # only for a draft built here
+    tap_endpoint: str | None = None  # ZeroMQ endpoint the learner PULLs on; None: tap off
+    tap_mode: str = "full"  # full | ids | off
+    tap_sample_rate: float = 1.0
+    control_token: str | None = None
+    control_token_file: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    control_host: str | None = None  # default: same as host
+    control_port: int | None = None  # None: control routes on the OpenAI port
+    dtype: str = "auto"
+    max_model_len: int | None = 4096
+    work_dir: str = "runs/serve"  # where a draft built here is written
+    checkpoint_root: str | None = None  # if set, POSTed draft/policy paths must lie inside it
+    worker_extension_cls: str = "server.worker_ext.CodraftWorkerExtension"
+    vllm_args: list[str] = field(default_factory=list)  # passed through to vLLM
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
+            )
+        if self.tap_mode not in TAP_MODES:
+            raise ValueError(f"tap_mode must be one of {TAP_MODES}, got {self.tap_mode!r}")
+        if not 0.0 <= self.tap_sample_rate <= 1.0:
+            raise ValueError(f"tap_sample_rate must be in [0, 1], got {self.tap_sample_rate}")
+        if self.control_token is not None and self.control_token_file is not None:
+            raise ValueError("give --control-token or --control-token-file, not both")
+        for name in ("port", "control_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be in 0..65535, got {port}")
+        if self.control_port is not None and self.control_port == self.port != 0:
+            raise ValueError(f"control_port {self.control_port} equals port: pick another")
+
+    @property
+    def effective_control_host(self) -> str:
+        return self.control_host or self.host
+
+    def resolve_token(self) -> str | None:
+        """The control token from --control-token, --control-token-file or $CODRAFT_CONTROL_TOKEN
+        (first set wins); None when none is configured."""
+        if self.control_token is not None:
+            token = self.control_token
+        elif self.control_token_file is not None:
+            path = Path(self.control_token_file)
+            try:
+                token = path.read_text()
+            except OSError as e:
+                raise ValueError(f"--control-token-file {path}: cannot read it ({e})") from e
+        else:
+            token = os.environ.get(TOKEN_ENV)
+            if token is None:
+                return None
+        token = token.strip()
+        if not token:
+            raise ValueError("the control token is empty; give a non-empty token or none at all")
+        if any(c.isspace() for c in token) or not token.isprintable():
+            raise ValueError("the control token must be printable and contain no whitespace")
+        return token
+
+    def check_exposure(self, token: str | None) -> None:
+        """Refuse to expose unauthenticated control routes beyond the loopback interface."""
+        if token is None and not is_loopback(self.effective_control_host):
+            raise ValueError(
+                f"control routes would listen on {self.effective_control_host} without a token: "
+                f"set --control-token-file (or ${TOKEN_ENV}), or bind them to 127.0.0.1 "
+                "(--control-host 127.0.0.1 --control-port PORT)"
+            )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = ServeConfig()
+    p.add_argument("--model", default=d.model, help="'smollm2' or a model folder")
+    p.add_argument("--draft", default=None, help="initial EAGLE-3 draft (default: untrained)")
+    p.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
+    p.add_argument(
+        "--draft-vocab-size", type=int, default=d.draft_vocab_size, help="for a draft built here"
+    )
+    p.add_argument("--tap-endpoint", default=None, help="ZeroMQ endpoint, e.g. tcp://host:5557")
+    p.add_argument("--tap-mode", default=d.tap_mode, choices=TAP_MODES)
+    p.add_argument("--tap-sample-rate", type=float, default=d.tap_sample_rate)
+    tok = p.add_mutually_exclusive_group()
+    tok.add_argument(
+        "--control-token",
+        default=None,
+        help=f"control bearer token (visible in `ps`: prefer the file or ${TOKEN_ENV})",
+    )
+    tok.add_argument("--control-token-file", default=None, help="file holding the control token")
+    p.add_argument("--host", default=d.host, help="OpenAI API address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--control-host", default=None, help="control API address (default: --host)")
+    p.add_argument("--control-port", type=int, default=None, help="serve control on its own port")
+    p.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--work-dir", default=d.work_dir, help="where a draft built here goes")
+    p.add_argument(
+        "--checkpoint-root",
+        default=None,
+        help="only load drafts and policies from inside this folder (symlinks resolved)",
+    )
+    p.add_argument("--worker-extension-cls", default=d.worker_extension_cls, help=argparse.SUPPRESS)
+
+
+def config_from_args(args: argparse.Namespace, vllm_args: list[str] | None = None) -> ServeConfig:
+    names = {f.name for f in fields(ServeConfig)} - {"vllm_args"}
+    values = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    return ServeConfig(**values, vllm_args=list(vllm_args or []))
+
+
+# ----------------------------------------------------------------------------- to vLLM
+def resolve_model(name: str) -> Path:
+    if name == "smollm2":
+        from codraft.prepare import prepare_smollm2
+
+        return prepare_smollm2().path
+    path = Path(name)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {name!r}: expected 'smollm2' or a folder with config.json")
+    return path.resolve()
+
+
+def resolve_draft(cfg: ServeConfig, model: Path) -> Path:
+    """The --draft folder, or an untrained draft (version 0) under cfg.work_dir: deterministic
+    (seed 0, the first draft_vocab_size token ids), so it is built once per target and
+    settings and reused by later starts."""
+    if cfg.draft is not None:
+        path = Path(cfg.draft)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--draft {cfg.draft!r}: expected an EAGLE-3 checkpoint folder")
+        return path.resolve()
+    import hashlib
+
+    from codraft.draft.checkpoint import DraftCheckpointError, check_draft
+    from codraft.draft.init import write_new_draft
+    from codraft.models.config import TargetConfig
+
+    target = TargetConfig.from_pretrained(model)
+    kwargs: dict[str, Any] = {"draft_vocab_size": min(cfg.draft_vocab_size, target.vocab_size)}
+    if cfg.dtype in ("float32", "bfloat16", "float16"):
+        kwargs["dtype"] = cfg.dtype
+    elif target.dtype:
+        kwargs["dtype"] = target.dtype
+    key = (model / "config.json").read_bytes() + json.dumps(kwargs, sort_keys=True).encode()
+    out = Path(cfg.work_dir) / f"draft-v0-untrained-{hashlib.sha256(key).hexdigest()[:12]}"
+    try:
+        check_draft(out)
+    except DraftCheckpointError:
+        try:
+            write_new_draft(out, model, version=0, overwrite=out.exists(), **kwargs)
+        except FileExistsError:  # another server wrote it meanwhile
+            check_draft(out)
+    log.warning("no --draft given: serving an untrained EAGLE-3 draft (version 0) at %s", out)
+    return out.resolve()
+
+
+def engine_settings(cfg: ServeConfig, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's additional_config carrying the worker extension's settings (server.config): the
+    tap flags, under any `codraft` keys given in a passed-through --additional-config (those
+    win: it is how to reach the engine settings that have no flag here)."""
+    from server.config import ADDITIONAL_CONFIG_KEY, EngineConfig
+
+    extra = dict(extra or {})
+    given = extra.get(ADDITIONAL_CONFIG_KEY) or {}
+    if not isinstance(given, dict):
+        raise ValueError(f"--additional-config's {ADDITIONAL_CONFIG_KEY!r} entry must be a dict")
+    ours = EngineConfig(
+        tap_endpoint=cfg.tap_endpoint, tap_mode=cfg.tap_mode, tap_sample_rate=cfg.tap_sample_rate
+    ).to_additional_config()[ADDITIONAL_CONFIG_KEY]
+    merged = EngineConfig.from_dict({**ours, **given})  # validates, names unknown keys
+    extra[ADDITIONAL_CONFIG_KEY] = dataclasses.asdict(merged)
+    return extra
+
+
+def _pop_flag(argv: list[str], flag: str) -> tuple[list[str], str | None]:
+    """argv without `flag VALUE` / `flag=VALUE`, and that value (None when absent)."""
+    out, value, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == flag and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+            continue
+        if a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+        else:
+            out.append(a)
+        i += 1
+    return out, value
+
+
+def _has_flag(argv: list[str], *flags: str) -> bool:
+    return any(a == f or a.startswith(f + "=") for a in argv for f in flags)
+
+
+def vllm_argv(cfg: ServeConfig, model: Path, draft: Path) -> list[str]:
+    """The vLLM serve command line for `cfg` (cfg.vllm_args appended last).
+
+    Always eager (the worker extension adds an aux layer after start-up, which captured CUDA
+    graphs would miss). In "full" tap mode prefix caching is off unless the extra arguments
+    turn it on: a prefix-cache hit skips the prompt's forward pass, so the request's features
+    could not be captured (the engine counts it in requests_incomplete instead).
+    """
+    for flag in ("--speculative-config", "--worker-extension-cls", "--model"):
+        if any(a == flag or a.startswith(flag + "=") for a in cfg.vllm_args):
+            raise ValueError(f"{flag} is set by codraft serve; remove it from the extra arguments")
+    passthrough, extra_json = _pop_flag(list(cfg.vllm_args), "--additional-config")
+    try:
+        extra = json.loads(extra_json) if extra_json else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--additional-config is not valid JSON: {e}") from None
+    if not isinstance(extra, dict):
+        raise ValueError("--additional-config must be a JSON object")
+    spec = {
+        "method": "eagle3",
+        "model": str(draft),
+        "num_speculative_tokens": cfg.num_speculative_tokens,
+    }
+    argv = [
+        "--model", str(model),
+        "--speculative-config", json.dumps(spec),
+        "--worker-extension-cls", cfg.worker_extension_cls,
+        "--additional-config", json.dumps(engine_settings(cfg, extra)),
+        "--dtype", cfg.dtype,
+        "--host", cfg.host,
+        "--port", str(cfg.port),
+    ]  # fmt: skip
+    if cfg.max_model_len is not None:
+        argv += ["--max-model-len", str(cfg.max_model_len)]
+    argv.append("--enforce-eager")
+    if cfg.tap_mode == "full" and not _has_flag(
+        passthrough, "--enable-prefix-caching", "--no-enable-prefix-caching"
+    ):
+        argv.append("--no-enable-prefix-caching")
+    return argv + passthrough
+
+
+def parse_vllm_args(argv: list[str]) -> argparse.Namespace:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="codraft serve (vLLM arguments)"))
+    args = parser.parse_args(argv)
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    validate_parsed_serve_args(args)
+    return args

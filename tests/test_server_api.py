@@ -1,0 +1,785 @@
+"""`codraft serve` over HTTP: control API, auth, live swaps under load, metrics, the recorder.
+
+One real server per module (`codraft serve` subprocess on 127.0.0.1, tiny random Llama, fp32,
+EAGLE-3 with k=3, the real worker extension), control on its own port, tap pointed at a port
+nobody listens on. A second, short-lived server (control routes on the OpenAI port, token from
+the environment) streams its tap into `codraft record`. Greedy outputs are compared with a
+vLLM run without speculation (server.offline). The HTTP layer's error mapping is also checked
+against a fake engine, without vLLM (the tests at the end).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from codraft.draft.checkpoint import sha256_file
+from codraft.draft.init import write_new_draft
+from server.offline import ArmSpec, run_arm_subprocess
+from server.serve import ServeProcess, free_port
+
+TOKEN = "tok-0123456789abcdef"
+K = 3
+DRAFT_VOCAB = 128
+MAX_TOKENS = 24
+PROMPTS = [
+    "The quick brown fox",
+    "def add(a, b):",
+    "Once upon a time there was",
+    "12 + 30 =",
+    "Hello, my name is",
+    "In the beginning",
+    "Question: What is the capital of France? Answer:",
+    "Tom has 12 apples.",
+    "The weather today is",
+    "A prime number is",
+    "for i in range(10):",
+    "Sara reads 15 pages every day.",
+    "The sea is wide,",
+    "User: Can you help me",
+    "The sum of the angles",
+    "Mars is known as",
+]
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+CONTROL_ROUTES = [
+    ("GET", "/v1/draft", None),
+    ("POST", "/v1/draft", {"version": 99, "path": "/nonexistent"}),
+    ("POST", "/v1/draft/rollback", {}),
+    ("POST", "/v1/policy", {"version": 0, "path": "/nonexistent"}),
+    ("GET", "/v1/tap", None),
+    ("PUT", "/v1/tap", {}),
+]
+
+
+# ------------------------------------------------------------------------------ fixtures
+def _serve_args(target: Path, draft: Path, *extra: str) -> list[str]:
+    return [
+        "--model", str(target),
+        "--draft", str(draft),
+        "--dtype", "float32",
+        "--max-model-len", "256",
+        "--num-speculative-tokens", str(K),
+        "--max-num-seqs", "16",
+        *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("serve")
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama_dir: Path, work: Path):
+    """(server, reference token ids per prompt, reference texts per prompt)."""
+    draft = write_new_draft(work / "draft-v0", tiny_llama_dir, draft_vocab_size=DRAFT_VOCAB)
+    token_file = work / "token"
+    token_file.write_text(TOKEN + "\n")
+    nobody = f"tcp://127.0.0.1:{free_port()}"  # no learner there
+    args = _serve_args(
+        tiny_llama_dir,
+        draft,
+        "--control-token-file", str(token_file),
+        "--tap-endpoint", nobody,
+        # A small send high-water mark, so that drops show after a few requests; no automatic
+        # rollback (untrained drafts' acceptance is noise), so versions move only by request.
+        "--additional-config", json.dumps({"codraft": {"tap_hwm": 2, "auto_rollback": False}}),
+    )  # fmt: skip
+    server = ServeProcess.start(args, work / "serve.log")
+    try:
+        server.wait_ready()  # then the reference run: on 2 cores, one at a time is faster
+        ref = run_arm_subprocess(
+            ArmSpec(
+                target=str(tiny_llama_dir),
+                prompts=PROMPTS,
+                max_tokens=MAX_TOKENS,
+                ignore_eos=True,
+                max_model_len=256,
+            ),
+            work / "reference",
+            timeout=600,
+        )
+        yield (
+            server,
+            dict(zip(PROMPTS, ref.token_ids, strict=True)),
+            dict(zip(PROMPTS, ref.texts, strict=True)),
+        )
+    finally:
+        server.stop()
+
+
+def _draft_now(server: ServeProcess) -> dict:
+    r = httpx.get(f"{server.control_url}/v1/draft", headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _complete(server: ServeProcess, prompt: str, **kw: Any) -> httpx.Response:
+    body = {
+        "model": str(server.model),
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **kw,
+    }
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server(stack, tiny_llama_dir: Path) -> ServeProcess:
+    srv = stack[0]
+    srv.model = tiny_llama_dir  # type: ignore[attr-defined]
+    return srv
+
+
+# ------------------------------------------------------------------------------ auth
+
+
+@pytest.mark.vllm
+def test_control_routes_need_the_token_openai_routes_do_not(server: ServeProcess) -> None:
+    base = server.control_url
+    for method, path, body in CONTROL_ROUTES:
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong-token"},
+            {"Authorization": f"Basic {TOKEN}"},
+            {"Authorization": TOKEN},
+        ):
+            r = httpx.request(method, base + path, json=body, headers=headers, timeout=30)
+            assert r.status_code == 401, (method, path, headers, r.text)
+            assert r.headers["www-authenticate"].startswith("Bearer"), r.headers
+            assert TOKEN not in r.text and "detail" in r.json()
+    # The right token reaches the engine: each route answers for itself.
+    expect = {
+        ("GET", "/v1/draft"): 200,
+        ("POST", "/v1/draft"): 404,  # no such checkpoint
+        ("POST", "/v1/draft/rollback"): 409,  # nothing to roll back to yet
+        ("POST", "/v1/policy"): 409,  # version 0 is not newer
+        ("GET", "/v1/tap"): 200,
+        ("PUT", "/v1/tap"): 200,  # nothing changed
+    }
+    for method, path, body in CONTROL_ROUTES:
+        r = httpx.request(method, base + path, json=body, headers=AUTH, timeout=30)
+        assert r.status_code == expect[method, path], (method, path, r.text)
+        if r.status_code >= 400:
+            assert r.json()["detail"], r.text
+    # Probes and metrics are open; with --control-port the control routes are not on the
+    # OpenAI port, and the OpenAI routes need no token.
+    for url in (base, server.url):
+        for probe in ("/health", "/ready", "/metrics"):
+            assert httpx.get(url + probe, timeout=30).status_code == 200, (url, probe)
+    assert httpx.get(f"{server.url}/v1/draft", headers=AUTH, timeout=30).status_code == 404
+    assert httpx.get(f"{server.url}/v1/models", timeout=30).status_code == 200
+    r = _complete(server, PROMPTS[0])
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.vllm
+def test_bad_requests_are_4xx_and_never_crash(server: ServeProcess) -> None:
+    url = f"{server.control_url}/v1/draft"
+    cases = [
+        (b"{not json", 422),
+        (b"[1, 2]", 422),
+        (b"", 422),
+        (json.dumps({"version": -1, "path": "/x"}).encode(), 422),
+        (json.dumps({"version": "1", "path": "/x"}).encode(), 422),
+        (json.dumps({"version": 1, "path": "/x", "sha256": "abc"}).encode(), 422),
+        (json.dumps({"version": 1, "path": "/x", "extra": 1}).encode(), 422),
+        (json.dumps({"version": 1, "path": ""}).encode(), 422),
+        (json.dumps({"version": 2**70, "path": "/x"}).encode(), 422),
+        (b'{"version": 1, "path": "' + b"a" * 20000 + b'"}', 413),
+    ]
+    for body, status in cases:
+        r = httpx.post(url, content=body, headers=AUTH, timeout=30)
+        assert r.status_code == status, (body[:60], r.text)
+        assert isinstance(r.json()["detail"], str) and r.json()["detail"]
+
+    def chunks():  # no Content-Length: the limit applies while the body streams in
+        for _ in range(40):
+            yield b" " * 1024
+
+    r = httpx.post(url, content=chunks(), headers=AUTH, timeout=30)
+    assert r.status_code == 413, r.text
+    tap = f"{server.control_url}/v1/tap"
+    for body in ({"sample_rate": 2.0}, {"mode": "everything"}, {"endpoint": "http://x"}):
+        r = httpx.put(tap, json=body, headers=AUTH, timeout=30)
+        assert r.status_code == 422, (body, r.text)
+    assert httpx.get(f"{server.control_url}/health", timeout=30).status_code == 200
+
+
+# ------------------------------------------------------------------------------ versions
+@pytest.mark.vllm
+def test_responses_name_their_draft_version(server: ServeProcess) -> None:
+    version = str(_draft_now(server)["version"])
+    r = _complete(server, PROMPTS[1])
+    assert r.status_code == 200, r.text
+    assert r.headers["x-codraft-draft-version"] == version
+    assert r.headers["x-codraft-policy-version"] == "0"
+    # n > 1 with logprobs: vLLM's own features pass through untouched.
+    r = _complete(server, PROMPTS[2], n=2, logprobs=2, temperature=0.8, seed=1, max_tokens=4)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2 and r.json()["choices"][0]["logprobs"]
+    assert r.headers["x-codraft-draft-version"] == version
+
+    async def streamed() -> None:
+        from openai import AsyncOpenAI
+
+        client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        raw = await client.completions.with_raw_response.create(
+            model=str(server.model), prompt=PROMPTS[3], max_tokens=8, stream=True
+        )
+        assert raw.headers["x-codraft-draft-version"] == version
+        async for _ in raw.parse():
+            pass
+        raw = await client.chat.completions.with_raw_response.create(
+            model=str(server.model),
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=8,
+            stream=True,
+        )
+        assert raw.headers["x-codraft-draft-version"] == version
+        async for _ in raw.parse():
+            pass
+        await client.close()
+
+    asyncio.run(streamed())
+
+
+# ------------------------------------------------------------------------------ no learner
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+@pytest.mark.vllm
+def test_serving_without_a_learner_counts_drops(server: ServeProcess, stack) -> None:
+    reference = stack[1]
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as c:
+            body = {"model": str(server.model), "max_tokens": MAX_TOKENS, "temperature": 0.0}
+            body |= {"ignore_eos": True, "return_token_ids": True}
+            return await asyncio.gather(
+                *(
+                    c.post(f"{server.url}/v1/completions", json={**body, "prompt": p})
+                    for p in PROMPTS
+                )
+            )
+
+    for p, r in zip(PROMPTS, asyncio.run(burst()), strict=True):
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == reference[p]
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    assert _metric(text, "codraft_tap_messages_dropped_total") > 0
+    assert _metric(text, "codraft_tap_bytes_dropped_total") > 0
+    assert _metric(text, "codraft_tap_enabled") == 1
+    assert "vllm:spec_decode_num_drafts" in text, "vLLM's own metrics are missing"
+    same = httpx.get(f"{server.control_url}/metrics", timeout=30).text
+    assert _metric(same, "codraft_tap_messages_dropped_total") >= _metric(
+        text, "codraft_tap_messages_dropped_total"
+    )
+
+
+# ------------------------------------------------------------------------------ live swaps
+def _write_drafts(target: Path, out: Path, versions: range) -> list[Path]:
+    """Untrained drafts with different weights and different draft vocabularies."""
+    vocab = 512
+    paths = []
+    for v in versions:
+        counts = torch.randint(0, 1000, (vocab,), generator=torch.Generator().manual_seed(v))
+        paths.append(
+            write_new_draft(
+                out / f"draft-v{v}", target, counts, version=v, draft_vocab_size=DRAFT_VOCAB, seed=v
+            )
+        )
+    return paths
+
+
+@pytest.mark.vllm
+def test_swap_every_second_under_16_streaming_clients(
+    server: ServeProcess, stack, tiny_llama_dir: Path, work: Path
+) -> None:
+    from openai import AsyncOpenAI
+
+    reference, ref_texts = stack[1], stack[2]
+    start = _draft_now(server)["version"] + 1
+    n_swaps = 8
+    drafts = _write_drafts(tiny_llama_dir, work / "swaps", range(start, start + n_swaps))
+    results: list[tuple[str, list[int], str, str]] = []
+    failures: list[str] = []
+    swaps: list[tuple[int, int, float]] = []
+
+    async def client_loop(i: int, done: asyncio.Event) -> None:
+        client = AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300
+        )
+        prompt, rounds = PROMPTS[i], 0
+        while rounds < 2 or not done.is_set():
+            rounds += 1
+            try:
+                raw = await client.completions.with_raw_response.create(
+                    model=str(server.model),
+                    prompt=prompt,
+                    max_tokens=MAX_TOKENS,
+                    temperature=0.0,
+                    stream=True,
+                    extra_body={"ignore_eos": True, "return_token_ids": True},
+                )
+                ids: list[int] = []
+                text = ""
+                async for chunk in raw.parse():
+                    choice = chunk.choices[0]
+                    ids += (choice.model_extra or {}).get("token_ids") or []
+                    text += choice.text
+                results.append((prompt, ids, text, raw.headers["x-codraft-draft-version"]))
+            except Exception as e:  # any failure is a test failure
+                failures.append(f"client {i}: {type(e).__name__}: {e}")
+        await client.close()
+
+    async def swapper(done: asyncio.Event) -> None:
+        async with httpx.AsyncClient(timeout=120) as c:
+            await asyncio.sleep(1.0)
+            for path in drafts:
+                t0 = time.monotonic()
+                version = int(path.name.removeprefix("draft-v"))
+                r = await c.post(
+                    f"{server.control_url}/v1/draft",
+                    json={
+                        "version": version,
+                        "path": str(path),
+                        "sha256": sha256_file(path / "model.safetensors"),
+                    },
+                    headers=AUTH,
+                )
+                swaps.append((version, r.status_code, time.monotonic() - t0))
+                await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - t0)))
+        done.set()
+
+    async def main() -> None:
+        done = asyncio.Event()
+        await asyncio.gather(swapper(done), *(client_loop(i, done) for i in range(16)))
+
+    asyncio.run(main())
+    assert not failures, failures[:5]
+    assert [s[1] for s in swaps] == [200] * n_swaps, swaps
+    assert len(results) >= 32
+    wrong = [(p, ids) for p, ids, _, _ in results if ids != reference[p]]
+    assert not wrong, f"{len(wrong)}/{len(results)} outputs differ from the reference: {wrong[:2]}"
+    assert all(text == ref_texts[p] for p, _, text, _ in results)
+    seen = {int(v) for *_, v in results}
+    assert seen <= set(range(start - 1, start + n_swaps)), seen
+    assert len(seen) >= 3, f"responses name only versions {seen}: swaps did not overlap the load"
+    now = _draft_now(server)
+    assert now["version"] == start + n_swaps - 1, (now, swaps)
+    stats = _metric(
+        httpx.get(f"{server.url}/metrics", timeout=30).text, "codraft_draft_swaps_total"
+    )
+    assert stats >= n_swaps
+
+
+# ------------------------------------------------------------------------------ bad drafts
+def _resave(ckpt: Path, mutate) -> Path:
+    """Change the weights of `ckpt` and record the new file's sha256 (so only `mutate` is
+    wrong)."""
+    weights = ckpt / "model.safetensors"
+    tensors = load_file(str(weights))
+    mutate(tensors)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    meta = json.loads((ckpt / "codraft.json").read_text())
+    meta["weights_sha256"] = sha256_file(weights)
+    (ckpt / "codraft.json").write_text(json.dumps(meta))
+    return ckpt
+
+
+@pytest.mark.vllm
+def test_bad_checkpoints_are_refused_and_the_old_draft_keeps_serving(
+    server: ServeProcess, stack, tiny_llama_dir: Path, work: Path
+) -> None:
+    reference = stack[1]
+    before = _draft_now(server)
+    v = before["version"] + 1
+    bad = work / "bad"
+
+    def good(name: str, **kw: Any) -> Path:
+        kw.setdefault("draft_vocab_size", DRAFT_VOCAB)
+        return write_new_draft(bad / name, tiny_llama_dir, version=v, **kw)
+
+    def fc_wrong(t: dict) -> None:
+        t["fc.weight"] = torch.zeros(64, 2 * 64)
+
+    truncated = good("truncated")
+    w = truncated / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    missing = good("missing-file")
+    (missing / "model.safetensors").unlink()
+    checksum = good("checksum")
+    meta = json.loads((checksum / "codraft.json").read_text())
+    meta["weights_sha256"] = "0" * 64
+    (checksum / "codraft.json").write_text(json.dumps(meta))
+    cases = {
+        "wrong shapes": (_resave(good("shapes"), fc_wrong), v, None, 422),
+        "wrong tap layers": (good("taps", tap_layers=(0, 1, 2)), v, None, 422),
+        "wrong vocab": (good("vocab", draft_vocab_size=64), v, None, 422),
+        "bad checksum": (checksum, v, None, 422),
+        "request checksum": (good("sha"), v, "f" * 64, 422),
+        "truncated file": (truncated, v, None, 422),
+        "missing file": (missing, v, None, 422),
+        "missing folder": (bad / "nothing-here", v, None, 404),
+        "older version": (Path(before["path"]), before["version"], None, 409),
+    }
+    for name, (path, version, sha, status) in cases.items():
+        body = {"version": version, "path": str(path), "sha256": sha}
+        r = httpx.post(f"{server.control_url}/v1/draft", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == status, (name, r.text)
+        assert len(r.json()["detail"]) > 10, (name, r.text)
+        after = _draft_now(server)
+        assert (after["version"], after["sha256"]) == (before["version"], before["sha256"]), name
+    r = _complete(server, PROMPTS[5])
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["token_ids"] == reference[PROMPTS[5]]
+    assert r.headers["x-codraft-draft-version"] == str(before["version"])
+
+
+@pytest.mark.vllm
+def test_rollback_over_http(server: ServeProcess, stack) -> None:
+    reference = stack[1]
+    before = _draft_now(server)
+    assert before["previous_version"] is not None, "the swap test leaves a previous draft"
+    r = httpx.post(
+        f"{server.control_url}/v1/draft/rollback", json={"reason": "test"}, headers=AUTH, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["version"] == before["previous_version"]
+    r = httpx.post(f"{server.control_url}/v1/draft/rollback", headers=AUTH, timeout=60)
+    assert r.status_code == 409 and "previous" in r.json()["detail"]
+    r = _complete(server, PROMPTS[6])
+    assert r.headers["x-codraft-draft-version"] == str(before["previous_version"])
+    assert r.json()["choices"][0]["token_ids"] == reference[PROMPTS[6]]
+
+
+# ------------------------------------------------------------------------------ recorder
+@pytest.mark.vllm
+def test_recorder_writes_what_the_learner_reads(tiny_llama_dir: Path, work: Path) -> None:
+    from codraft.tap import ReadStats, read_taps
+
+    out = work / "recorded"
+    rec = subprocess.Popen(
+        [sys.executable, "-m", "codraft.cli", "record", "--tap", "tcp://127.0.0.1:*"]
+        + ["--out", str(out), "--max-seconds", "600"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    server = None
+    try:
+        line = rec.stdout.readline()
+        endpoint = re.search(r"listening on (tcp://\S+),", line)
+        assert endpoint, line
+        draft = write_new_draft(work / "rec-draft", tiny_llama_dir, draft_vocab_size=DRAFT_VOCAB)
+        env = {**os.environ, "CODRAFT_CONTROL_TOKEN": TOKEN}
+        server = ServeProcess.start(
+            _serve_args(tiny_llama_dir, draft, "--tap-endpoint", endpoint.group(1)),
+            work / "serve-rec.log",
+            control=False,
+            env=env,
+        )
+        server.model = tiny_llama_dir  # type: ignore[attr-defined]
+        server.wait_ready()
+        # Without --control-port the control routes live on the OpenAI port, token required.
+        assert httpx.get(f"{server.url}/v1/draft", timeout=30).status_code == 401
+        assert httpx.get(f"{server.url}/v1/draft", headers=AUTH, timeout=30).status_code == 200
+        sent = {}
+        for p in PROMPTS[:4]:
+            r = _complete(server, p, max_tokens=12)
+            assert r.status_code == 200, r.text
+            c = r.json()["choices"][0]
+            sent[p] = (c["prompt_token_ids"], c["token_ids"])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            tap = httpx.get(f"{server.url}/v1/tap", headers=AUTH, timeout=30).json()
+            if tap["stats"]["messages_sent"] >= len(sent):
+                break
+            time.sleep(0.5)
+        assert tap["stats"]["messages_sent"] >= len(sent), tap
+        time.sleep(1.0)  # let the last message cross the socket
+    finally:
+        if server is not None:
+            server.stop()
+        rec.send_signal(signal.SIGINT)
+        tail = rec.communicate(timeout=60)[0]
+    assert rec.returncode == 0, tail
+    summary = json.loads(tail.strip().splitlines()[-1])
+    assert summary["stopped_by"] == "SIGINT" and summary["rejected"] == {}, summary
+    assert summary["written"] >= len(sent)
+    assert not list(out.glob("*.partial")), "the recorder left an unfinished file"
+    stats = ReadStats()
+    messages = list(read_taps(out, stats=stats))
+    assert stats.damaged == [] and len(messages) == summary["written"]
+    by_ids = {tuple(m.token_ids.tolist()): m for m in messages}
+    for prompt_ids, out_ids in sent.values():
+        # Every token that became final has features: the prompt and all outputs but the last
+        # (which the target has not run on yet).
+        full = tuple(prompt_ids + out_ids[:-1])
+        assert full in by_ids, f"no recorded message for {full}"
+        m = by_ids[full]
+        assert m.header.prompt_len == len(prompt_ids)
+        assert m.header.tap_layers == (1, 2, 3) and m.header.hidden_size == 64
+        assert m.taps.shape == (len(full), 3 * 64) and m.last_hidden.shape == (len(full), 64)
+        assert torch.isfinite(m.taps).all() and m.loss_mask.tolist() == [0] * len(prompt_ids) + [
+            1
+        ] * (len(full) - len(prompt_ids))
+
+
+# ------------------------------------------------------------------------------ no vLLM
+class FakeEngine:
+    """Stands in for the engine client: answers collective_rpc from `replies`."""
+
+    def __init__(self, replies: dict[str, Any]) -> None:
+        self.replies = replies
+        self.active = self.max_active = 0
+        self.calls: list[tuple[str, dict]] = []
+
+    async def collective_rpc(self, method: str, timeout=None, args=(), kwargs=None):
+        self.calls.append((method, kwargs or {}))
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            reply = self.replies[method]
+            if isinstance(reply, Exception):
+                raise reply
+            if reply == "hang":
+                await asyncio.sleep(3600)
+            await asyncio.sleep(0.05)
+            return [reply]
+        finally:
+            self.active -= 1
+
+    async def check_health(self) -> None:
+        return None
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        self.calls.append(("reset_prefix_cache", {"running": reset_running_requests}))
+        return True
+
+
+def _fake_app(engine: FakeEngine, token: str | None = TOKEN, **settings: Any):
+    from fastapi import FastAPI
+
+    from server.api import ControlSettings, EngineControl, install_control
+
+    app = FastAPI()
+    control = EngineControl(engine, ControlSettings(**settings))
+    install_control(app, control, token)
+    return app
+
+
+DRAFT = {"version": 3, "sha256": "a" * 64, "path": "/d", "loaded_at": "t", "tap_layers": [1]}
+INFO = {"ok": True, "draft": DRAFT, "policy": {"version": 0}, "tap": {"enabled": False}}
+
+
+def test_engine_replies_map_to_http_statuses() -> None:
+    from fastapi.testclient import TestClient
+
+    engine = FakeEngine(
+        {
+            "codraft_info": INFO,
+            "codraft_stats": {"ok": True, "acceptance": {"3": {"drafts": 1}}},
+            "codraft_load_draft": {"ok": False, "status": 422, "error": "tap layers: expected"},
+            "codraft_rollback_draft": {"ok": False, "status": 99, "error": "odd status"},
+            "codraft_set_tap": ["not", "a", "dict"],
+            "codraft_load_policy": RuntimeError("worker has no codraft_load_policy"),
+        }
+    )
+    with TestClient(_fake_app(engine, rpc_timeout_s=0.5)) as c:
+        r = c.get("/v1/draft", headers=AUTH)
+        assert r.status_code == 200 and r.json()["acceptance"] == {"drafts": 1}
+        r = c.post("/v1/draft", json={"version": 4, "path": "/p"}, headers=AUTH)
+        assert (r.status_code, r.json()) == (422, {"detail": "tap layers: expected"})
+        assert engine.calls[-1] == (
+            "codraft_load_draft",
+            {"path": "/p", "version": 4, "sha256": None},
+        )
+        r = c.post("/v1/draft/rollback", headers=AUTH)
+        assert r.status_code == 500 and r.json()["detail"] == "odd status"
+        r = c.put("/v1/tap", json={"enabled": True}, headers=AUTH)
+        assert r.status_code == 502 and "expected a dict" in r.json()["detail"]
+        r = c.post("/v1/policy", json={"version": 1, "path": "/p"}, headers=AUTH)
+        assert r.status_code == 502 and "no codraft_load_policy" in r.json()["detail"]
+        engine.replies["codraft_load_draft"] = "hang"
+        r = c.post("/v1/draft", json={"version": 4, "path": "/p"}, headers=AUTH)
+        assert r.status_code == 504, r.text
+        engine.replies["codraft_info"] = {"ok": True, "draft": {"version": None}}
+        assert c.get("/ready").status_code == 503
+        assert c.get("/health").status_code == 200
+
+
+def test_checkpoint_root_confines_loaded_paths(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    root = tmp_path / "checkpoints"
+    (root / "v4").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (root / "escape").symlink_to(tmp_path / "elsewhere")
+    engine = FakeEngine({"codraft_info": INFO, "codraft_load_draft": {"ok": True, "draft": DRAFT}})
+    with TestClient(_fake_app(engine, checkpoint_root=str(root))) as c:
+        for bad in (tmp_path / "elsewhere", root / "escape", root / ".." / "elsewhere"):
+            r = c.post("/v1/draft", json={"version": 4, "path": str(bad)}, headers=AUTH)
+            assert r.status_code == 403 and "checkpoint root" in r.json()["detail"], r.text
+        assert not [m for m, _ in engine.calls if m == "codraft_load_draft"]
+        r = c.post("/v1/draft", json={"version": 4, "path": str(root / "v4")}, headers=AUTH)
+        assert r.status_code == 200
+        assert engine.calls[-1][1]["path"] == os.path.realpath(root / "v4")
+
+
+def test_policy_load_resets_the_prefix_cache_and_swaps_run_one_at_a_time() -> None:
+    reply = {"ok": True, "draft": DRAFT}
+    engine = FakeEngine(
+        {
+            "codraft_info": INFO,
+            "codraft_load_draft": reply,
+            "codraft_load_policy": {
+                "ok": True,
+                "policy": {"version": 1},
+                "reset_prefix_cache": True,
+            },
+        }
+    )
+    app = _fake_app(engine)
+
+    async def main() -> list[int]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            rs = await asyncio.gather(
+                *(
+                    c.post("/v1/draft", json={"version": 4 + i, "path": "/p"}, headers=AUTH)
+                    for i in range(5)
+                ),
+                c.post("/v1/policy", json={"version": 1, "path": "/p"}, headers=AUTH),
+            )
+            return [r.status_code for r in rs]
+
+    assert asyncio.run(main()) == [200] * 6
+    assert engine.max_active == 1, "two swaps ran at the same time"
+    assert ("reset_prefix_cache", {"running": True}) in engine.calls
+
+
+def test_serve_config_token_exposure_and_vllm_args(tmp_path: Path, monkeypatch) -> None:
+    from server.serve_config import ServeConfig, vllm_argv
+
+    monkeypatch.delenv("CODRAFT_CONTROL_TOKEN", raising=False)
+    assert ServeConfig().resolve_token() is None
+    (tmp_path / "t").write_text("  abc \n")
+    assert ServeConfig(control_token_file=str(tmp_path / "t")).resolve_token() == "abc"
+    monkeypatch.setenv("CODRAFT_CONTROL_TOKEN", "fromenv")
+    assert ServeConfig().resolve_token() == "fromenv"
+    assert ServeConfig(control_token="flag").resolve_token() == "flag"
+    with pytest.raises(ValueError, match="empty"):
+        ServeConfig(control_token=" ").resolve_token()
+    with pytest.raises(ValueError, match="without a token"):
+        ServeConfig(host="0.0.0.0").check_exposure(None)
+    ServeConfig(host="0.0.0.0", control_port=9000, control_host="127.0.0.1").check_exposure(None)
+    ServeConfig(host="0.0.0.0").check_exposure("tok")
+    with pytest.raises(ValueError, match="tap_mode"):
+        ServeConfig(tap_mode="loud")
+
+    cfg = ServeConfig(
+        tap_endpoint="tcp://127.0.0.1:5557",
+        vllm_args=["--max-num-seqs", "4", "--additional-config", '{"codraft": {"tap_hwm": 2}}'],
+    )
+    argv = vllm_argv(cfg, Path("/m"), Path("/d"))
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3}
+    assert argv[argv.index("--worker-extension-cls") + 1].endswith("CodraftWorkerExtension")
+    extra = json.loads(argv[argv.index("--additional-config") + 1])["codraft"]
+    assert extra["tap_endpoint"] == "tcp://127.0.0.1:5557" and extra["tap_hwm"] == 2
+    assert argv.count("--additional-config") == 1 and argv[-2:] == ["--max-num-seqs", "4"]
+    assert "--enforce-eager" in argv and argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert "--no-enable-prefix-caching" in argv  # "full" taps need every prompt computed
+    cfg = ServeConfig(tap_mode="ids", vllm_args=["--enable-prefix-caching"])
+    assert "--no-enable-prefix-caching" not in vllm_argv(cfg, Path("/m"), Path("/d"))
+    with pytest.raises(ValueError, match="speculative-config"):
+        vllm_argv(ServeConfig(vllm_args=["--speculative-config", "{}"]), Path("/m"), Path("/d"))
+    with pytest.raises(ValueError, match="unknown codraft engine setting"):
+        vllm_argv(
+            ServeConfig(vllm_args=['--additional-config={"codraft": {"nope": 1}}']),
+            Path("/m"),
+            Path("/d"),
+        )
+
+
+def test_untrained_draft_is_built_once_per_target(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    from codraft.draft.checkpoint import read_meta
+    from server.serve_config import ServeConfig, resolve_draft
+
+    cfg = ServeConfig(model=str(tiny_llama_dir), work_dir=str(tmp_path), draft_vocab_size=100)
+    first = resolve_draft(cfg, tiny_llama_dir)
+    assert read_meta(first).version == 0
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert resolve_draft(cfg, tiny_llama_dir) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp, "rebuilt, not reused"
+    other = resolve_draft(ServeConfig(work_dir=str(tmp_path), dtype="bfloat16"), tiny_llama_dir)
+    assert other != first
+    with pytest.raises(ValueError, match="checkpoint folder"):
+        resolve_draft(ServeConfig(draft=str(tmp_path / "nope")), tiny_llama_dir)
+
+
+def test_recorder_validates_counts_rejects_and_stops(tmp_path: Path) -> None:
+    import zmq
+
+    from codraft.tap import TapMessage, encode, read_taps
+
+    rec = subprocess.Popen(
+        [sys.executable, "-m", "codraft.cli", "record", "--tap", "tcp://127.0.0.1:*"]
+        + ["--out", str(tmp_path), "--max-messages", "2", "--max-seconds", "60"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    endpoint = re.search(r"listening on (tcp://\S+),", rec.stdout.readline())
+    assert endpoint
+    msgs = [
+        TapMessage.build(
+            torch.arange(5) + i,
+            taps=torch.randn(5, 3 * 8),
+            last_hidden=torch.randn(5, 8),
+            tap_layers=(1, 2, 3),
+            prompt_len=2,
+            fingerprint="llama-test",
+        )
+        for i in range(2)
+    ]
+    other_target = TapMessage.build(
+        torch.arange(5), taps=torch.randn(5, 3 * 8), last_hidden=torch.randn(5, 8),
+        tap_layers=(1, 2, 3), fingerprint="qwen-other",
+    )  # fmt: skip
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.connect(endpoint.group(1))
+    broken = encode(msgs[1])
+    broken[2] = bytes(len(broken[2]))  # token ids no longer match their crc32
+    for frames in ([b"hello", b"world"], encode(msgs[0]), broken, encode(other_target)):
+        sock.send_multipart(frames)
+    sock.send_multipart(encode(msgs[1]))
+    out = rec.communicate(timeout=60)[0]
+    sock.close(linger=0)
+    assert rec.returncode == 0, out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["stopped_by"] == "max_messages" and summary["written"] == 2, summary
+    assert summary["rejected"] == {"magic": 1, "crc": 1, "fingerprint": 1}, summary
+    got = list(read_taps(tmp_path))
+    assert [m.same_content(x) for m, x in zip(got, msgs, strict=True)] == [True, True]
