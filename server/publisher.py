@@ -40,6 +40,14 @@ def sampled(request_id: str, rate: float) -> bool:
     return int.from_bytes(digest, "little") / 2.0**64 < rate
 
 
+def split_endpoints(spec: str) -> list[str]:
+    """'tcp://a:5557,tcp://b:5558' -> each endpoint (learner ranks share the stream)."""
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    if not parts:
+        raise ValueError(f"no tap endpoint in {spec!r}; expected e.g. tcp://127.0.0.1:5557")
+    return parts
+
+
 def message_nbytes(msg: TapMessage) -> int:
     """Bytes a message puts on the wire, header excepted (used for messages never encoded)."""
     return len(MAGIC) + sum(msg.header.frame_nbytes())
@@ -138,7 +146,12 @@ class TapPublisher:
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, self._hwm)
             sock.setsockopt(zmq.LINGER, self.linger_ms)
-            sock.connect(self.endpoint)
+            # One PUSH socket connected to every learner rank's PULL endpoint: ZeroMQ spreads
+            # messages over the connected peers round-robin. IMMEDIATE keeps messages off peers
+            # whose connection is not up yet.
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            for endpoint in split_endpoints(self.endpoint):
+                sock.connect(endpoint)
         except Exception as e:  # a malformed endpoint: report it to the constructor
             self._error = e
             if sock is not None:

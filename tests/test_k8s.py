@@ -393,18 +393,41 @@ def test_server_probes_are_routes_the_server_serves():
     assert probed <= set(served), (probed, served)
 
 
-@pytest.mark.xfail(
-    reason="server/publisher.py connects to one endpoint; the multi-rank overlays list one per "
-    "learner rank (docs/deploy.md, 'Tap endpoints')",
-    strict=False,
-)
 def test_the_tap_publisher_connects_to_every_learner_rank():
+    """The multi-rank overlays list one tap endpoint per learner rank; the server's PUSH socket
+    connects to each and ZeroMQ spreads messages over them (checked here on loopback)."""
+    import time
+
+    import torch
+    import zmq
+
+    from codraft.tap import TapMessage, decode
     from server.publisher import TapPublisher
 
-    endpoints = _config_value("multi-node-learner", "CODRAFT_TAP_ENDPOINTS")
-    # Same ports, on loopback: this machine resolves no cluster names and sends nothing out.
-    local = re.sub(r"tcp://[^:]+:", "tcp://127.0.0.1:", endpoints)
-    TapPublisher(local).close(timeout=1)
+    endpoints = _config_value("multi-node-learner", "CODRAFT_TAP_ENDPOINTS").split(",")
+    assert len(endpoints) > 1
+    ctx = zmq.Context.instance()
+    pulls = [ctx.socket(zmq.PULL) for _ in range(2)]
+    bound = []
+    for s in pulls:
+        s.bind("tcp://127.0.0.1:*")
+        bound.append(s.getsockopt_string(zmq.LAST_ENDPOINT))
+    pub = TapPublisher(",".join(bound))
+    time.sleep(0.3)  # connections up (IMMEDIATE keeps messages off peers not yet connected)
+    for i in range(8):
+        pub.put(TapMessage.build(torch.arange(4, dtype=torch.int32), tap_layers=(1,),
+                                 hidden_size=8, request_id=f"r{i}"))  # fmt: skip
+    got = [0, 0]
+    deadline = time.time() + 10
+    while sum(got) < 8 and time.time() < deadline:
+        for j, s in enumerate(pulls):
+            if s.poll(50):
+                decode(s.recv_multipart())
+                got[j] += 1
+    pub.close(timeout=1)
+    for s in pulls:
+        s.close(linger=0)
+    assert sum(got) == 8 and min(got) > 0, got
 
 
 def _dockerfile(name: str) -> str:
