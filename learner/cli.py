@@ -21,8 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tap", default="tcp://127.0.0.1:5557", help="PULL endpoint to bind (online)")
     p.add_argument("--target", required=True, help="target model folder, or 'smollm2'")
     p.add_argument("--out", required=True, help="checkpoint folder (resumed when present)")
-    p.add_argument("--token", default=None, help="control token (or --token-file, or env)")
-    p.add_argument("--token-file", default=None)
+    p.add_argument(
+        "--token", "--control-token", default=None, help="control token (or a file, or env)"
+    )
+    p.add_argument("--token-file", "--control-token-file", default=None)
     p.add_argument("--steps", type=int, default=None, help="stop at this step (offline: 500)")
     p.add_argument("--max-seconds", type=float, default=None, help="online: stop after this")
     p.add_argument("--k", type=int, default=3, help="TTT passes")
@@ -68,6 +70,11 @@ def main(args: argparse.Namespace) -> int:
             args.steps = 500
         print(json.dumps(train_from_dir(args), indent=2))
         return 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SystemExit(
+            "codraft learn --server runs as one process for now (one GPU or CPU); context and "
+            "pipeline parallelism work offline: torchrun ... codraft learn --from-dir DIR --cp N"
+        )
     from learner.online.daemon import OnlineConfig, OnlineLearner
 
     cfg = OnlineConfig(

@@ -352,8 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_arguments(p)
-    add_pp_arguments(p)
+    add_arguments(p)  # includes --pp/--cp (learner.cli adds the pipeline's and CP's options)
+    if not any("--pp" in a.option_strings for a in p._actions):
+        add_pp_arguments(p)
     if not any("--cp" in a.option_strings for a in p._actions):
         add_parallel_arguments(p)
     return p

@@ -134,6 +134,7 @@ def test_online_loop(tiny_llama_dir: Path, tmp_path: Path) -> None:
         assert killed, (
             "the learner published nothing: " + (tmp_path / "learner.log").read_text()[-3000:]
         )
+        _stop(learner)  # no more publishes: the final round runs on one draft
         final_version = client.draft().version
         assert final_version >= killed_at + 2, "no publish after the restart"
         final = asyncio.run(_round(base))
