@@ -21,7 +21,8 @@ TMP_TAG = ".tmp-"
 TRASH_TAG = ".trash-"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (so a rename in it is durable); a no-op where that is unsupported."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # platforms without directory fds
@@ -44,7 +45,7 @@ def fsync_tree(root: Path) -> None:
         for name in files:
             with open(os.path.join(dirpath, name), "rb") as f:
                 os.fsync(f.fileno())
-        _fsync_dir(Path(dirpath))
+        fsync_dir(Path(dirpath))
 
 
 @contextlib.contextmanager
@@ -75,7 +76,7 @@ def atomic_write_dir(final_dir: str | os.PathLike, *, overwrite: bool = False) -
             trash = _hidden_sibling(final, TRASH_TAG)
             os.rename(final, trash)
         os.rename(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if trash is not None and trash.exists() and not final.exists():
@@ -100,7 +101,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     return final
 
 

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from codraft.models.config import read_rope
+
 if TYPE_CHECKING:
     from codraft.models.config import TargetConfig
 
@@ -289,7 +291,7 @@ class DraftConfig:
             inter = int(hf["intermediate_size"])
         except KeyError as e:
             raise ValueError(f"config.json lacks the required key {e.args[0]!r}") from None
-        theta, scaling = _read_rope(hf)
+        theta, scaling = read_rope(hf)
         return cls(
             hidden_size=hidden,
             intermediate_size=inter,
@@ -306,17 +308,3 @@ class DraftConfig:
             tap_layers=tuple(_as_int("tap layer", t) + shift for t in ids),
             dtype=hf.get("torch_dtype") or hf.get("dtype") or "bfloat16",
         )
-
-
-def _read_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling or None) from `rope_theta`+`rope_scaling` or `rope_parameters`."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and params:
-        theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = float(hf.get("rope_theta", 10000.0))
-        scaling = dict(hf.get("rope_scaling") or {})
-    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        return theta, None
-    return theta, scaling

@@ -121,7 +121,7 @@ class TargetConfig:
             inter = int(hf["intermediate_size"])
         except KeyError as e:
             raise ValueError(f"config.json lacks the required key {e.args[0]!r}") from None
-        theta, scaling = _read_rope(hf)
+        theta, scaling = read_rope(hf)
         bias = bool(hf.get("attention_bias", False))
         qkv_bias, o_bias = {
             "llama": (bias, bias),
@@ -177,7 +177,7 @@ class TargetConfig:
             return cls.from_dict(json.load(f))
 
 
-def _read_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def read_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from either the v4 or the v5 spelling."""
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and params:

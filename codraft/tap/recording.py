@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from codraft.atomic import fsync_dir
 from codraft.tap.message import (
     DEFAULT_LIMITS,
     TapExpectation,
@@ -51,19 +52,6 @@ _PREFIX = struct.Struct("<4sI")
 
 class TapFileError(ValueError):
     """A tap file is not one, or is damaged (raised for damage only with strict=True)."""
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------- writing
@@ -152,7 +140,7 @@ class TapWriter:
             f.close()
         final = path.with_name(path.name.removesuffix(PARTIAL_SUFFIX) + SUFFIX)
         os.replace(path, final)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         self.files.append(final)
 
     def close(self) -> None:
