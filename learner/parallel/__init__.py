@@ -10,6 +10,14 @@ Context parallelism (docs/context_parallel.md):
 - :mod:`learner.parallel.context`: ``ContextParallel``, one CP training step's pieces.
 - :mod:`learner.parallel.launch`: torchrun start-up (``--cp``).
 
-Pipeline parallelism and TapChannel live in their own modules here. Nothing is imported at
-package level, so importing one module never drags in the others.
+Pipeline parallelism for target recompute (docs/pipeline.md):
+
+- :mod:`learner.parallel.stage`: the target split into stages (embeddings first, head last).
+- :mod:`learner.parallel.microbatch`: whole-document microbatches every stage derives alike.
+- :mod:`learner.parallel.pipeline`: the forward-only GPipe-style schedule.
+- :mod:`learner.parallel.tapchannel`: TapChannel, taps from earlier stages to the draft's stage.
+- :mod:`learner.parallel.pipeline_mesh`, :mod:`learner.parallel.pp_cp`: groups, and PP x CP.
+- :mod:`learner.parallel.draft_stage`: the TTT step on the last stage (learner.recompute runs it).
+
+Nothing is imported at package level, so importing one module never drags in the others.
 """
