@@ -19,7 +19,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,15 +27,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from client import CodraftClient
+from client.prom import acceptance_by_version
 from codraft.prepare import prepare_smollm2
 from codraft.prompts import reasoning_prompts
 from server.offline import ArmSpec, run_arm_subprocess
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from server.serve import free_port
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
@@ -56,11 +51,7 @@ def _stop(proc: subprocess.Popen | None) -> None:
 
 
 def _acceptance(client: CodraftClient) -> dict[int, float]:
-    out = {}
-    for key, v in client.metrics().items():
-        if key.startswith('codraft_draft_acceptance_length{version="'):
-            out[int(key.split('"')[1])] = float(v)
-    return out
+    return acceptance_by_version(client.metrics())
 
 
 async def drive(args, base_url: str, client: CodraftClient, out: Path) -> tuple:
@@ -166,7 +157,7 @@ def main() -> int:
     token_file.write_text(secrets.token_hex(16))
     os.chmod(token_file, 0o600)
     token = token_file.read_text()
-    port, cport, tap = _port(), _port(), _port()
+    port, cport, tap = free_port(), free_port(), free_port()
     server = learner = None
     try:
         print(f"[1/4] starting codraft serve (logs: {out / 'server.log'})", flush=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,19 +24,15 @@ from pathlib import Path
 import pytest
 
 from client import CodraftClient
+from client.prom import acceptance_by_version
 from server.offline import ArmSpec, run_arm_subprocess
+from server.serve import free_port
 
 pytestmark = pytest.mark.vllm
 
 TOKEN = "e2e-token"
 PROMPTS = [f"{w} {i}" for i in range(6) for w in ("The cat", "def f(x):", "Once upon", "1 2 3")]
 MAX_TOKENS = 32
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
@@ -80,16 +75,11 @@ async def _round(base_url: str) -> list[tuple[str, int]]:
 
 
 def _acceptance(client: CodraftClient) -> dict[int, float]:
-    m = client.metrics()
-    out = {}
-    for key, v in m.items():
-        if key.startswith('codraft_draft_acceptance_length{version="'):
-            out[int(key.split('"')[1])] = float(v)
-    return out
+    return acceptance_by_version(client.metrics())
 
 
 def test_online_loop(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    port, cport, tap = _port(), _port(), _port()
+    port, cport, tap = free_port(), free_port(), free_port()
     server = _spawn(
         [
             "serve", "--model", str(tiny_llama_dir), "--port", str(port),
@@ -143,6 +133,7 @@ def test_online_loop(tiny_llama_dir: Path, tmp_path: Path) -> None:
         assert min(v for _, v in final) >= 1, [v for _, v in final]
         acc = _acceptance(client)
         learned = max(a for v, a in acc.items() if v >= 1)
+        print("acceptance by version", acc)
         assert learned > acc[0] + 0.3, f"acceptance by version: {acc}"
     finally:
         if learner is not None:
