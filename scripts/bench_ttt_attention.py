@@ -4,7 +4,9 @@ Methods, all computing the same K-pass TTT attention over a packed batch of unev
 
 * ``ttt_pass``    what the trainer runs: K sequential calls of
                   learner.attention.pass_attention.pass_attention (one flash trunk call and a
-                  [T, H, d-1] branch per pass, merged by lse in one autograd Function);
+                  branch per pass, merged by lse in one autograd Function; the branch's row
+                  kernels are compiled on CUDA);
+* ``ttt_pass_eager`` the same with the branch rows run as eager PyTorch ops;
 * ``branch``      learner.attention.branch_attention (flash trunk + [K, T, H, K-1] branch);
 * ``sdpa_dense``  F.scaled_dot_product_attention over all passes' keys with a materialised
                   [K*T, K*T] bool mask (skipped above --dense-limit mask elements);
@@ -12,7 +14,10 @@ Methods, all computing the same K-pass TTT attention over a packed batch of unev
 * ``k_flash``     K calls of plain causal varlen flash over the trunk only (a lower bound: it does
                   not even compute the branch; only its pass 0 is checked against ``branch``).
 
-Writes a JSON list of records and a PNG plot. ``--smoke`` runs a tiny size on CPU (fp32) and
+Each record has the time of one forward + backward, the peak extra CUDA memory (gradients of
+q/k/v included, the same for every method) and ``saved_mib``: what is held between forward and
+backward (outputs + saved activations), the method's own memory. Writes a JSON list of records
+and a PNG plot. ``--smoke`` runs a tiny size on CPU (fp32) and
 checks that every method agrees with ``branch``.
 
     python scripts/bench_ttt_attention.py --out bench/ttt_attention.json      # GPU
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -80,14 +86,17 @@ def _methods(
 
     def ttt_pass(q, k, v):  # what the trainer runs: K sequential calls of pass_attention
         ks, vs = list(k.unbind(0)), list(v.unbind(0))
-        return torch.stack(
-            [pass_attention(q[p], ks[: p + 1], vs[: p + 1], cu) for p in range(passes)]
-        )
+        return [pass_attention(q[p], ks[: p + 1], vs[: p + 1], cu) for p in range(passes)]
 
-    def k_flash(q, k, v):
-        return torch.stack(
-            [block_attention(q[p], k[0], v[0], cu, cu, causal=True)[0] for p in range(passes)]
-        )
+    def ttt_pass_eager(q, k, v):  # the same with the branch's row kernels left uncompiled
+        os.environ["CODRAFT_COMPILE_BRANCH"] = "0"
+        try:
+            return ttt_pass(q, k, v)
+        finally:
+            os.environ.pop("CODRAFT_COMPILE_BRANCH")
+
+    def k_flash(q, k, v):  # per-pass outputs as the trainer keeps them (no stacked copy)
+        return [block_attention(q[p], k[0], v[0], cu, cu, causal=True)[0] for p in range(passes)]
 
     def flat(x):  # [K, T, H, D] -> [1, H, K*T, D]
         return x.reshape(passes * t, x.shape[2], x.shape[3]).transpose(0, 1).unsqueeze(0)
@@ -127,6 +136,7 @@ def _methods(
 
     return {
         "ttt_pass": ttt_pass,
+        "ttt_pass_eager": ttt_pass_eager,
         "branch": branch,
         "sdpa_dense": sdpa_dense,
         "flex": flex,
@@ -139,17 +149,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _measure(fn, q, k, v, g, repeats: int, device: torch.device) -> tuple[float, float | None]:
-    """Mean seconds of one forward + backward, and peak extra memory in MiB (CUDA only)."""
+def _outputs(y: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
+    return list(y.unbind(0)) if isinstance(y, torch.Tensor) else list(y)
+
+
+def _measure(
+    fn, q, k, v, g, repeats: int, device: torch.device
+) -> tuple[float, float | None, float | None]:
+    """Mean seconds of one forward + backward; on CUDA also the peak extra memory and the memory
+    held between forward and backward (saved activations + outputs), both in MiB."""
+    grads = list(g.unbind(0))
+    held: list[float] = []
 
     def step():
         for x in (q, k, v):
             x.grad = None
-        fn(q, k, v).backward(g)
+        outs = _outputs(fn(q, k, v))
+        if device.type == "cuda":
+            held.append(torch.cuda.memory_allocated(device))
+        torch.autograd.backward(outs, grads)
 
     step()  # warm-up (compilation, mask construction)
     _sync(device)
+    held.clear()
     if device.type == "cuda":
+        for x in (q, k, v):
+            x.grad = None
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     start = time.perf_counter()
@@ -157,10 +182,11 @@ def _measure(fn, q, k, v, g, repeats: int, device: torch.device) -> tuple[float,
         step()
     _sync(device)
     seconds = (time.perf_counter() - start) / repeats
-    peak = None
-    if device.type == "cuda":
-        peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    return seconds, peak
+    if device.type != "cuda":
+        return seconds, None, None
+    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    saved = (held[0] - base) / 2**20  # first timed step: no stale .grad held yet
+    return seconds, peak, saved
 
 
 def _emit(records: list[dict], rec: dict, out: Path) -> None:
@@ -187,7 +213,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             g = torch.randn(shape_q, generator=gen).to(device, dtype)
             methods = _methods(passes, lengths, device, compile_flex=device.type == "cuda")
             with torch.no_grad():
-                expected = methods["branch"](q, k, v).float()
+                expected = torch.stack(_outputs(methods["branch"](q, k, v))).float()
             for name in args.methods:
                 rec = {"method": name, "tokens": tokens, "passes": passes, "docs": len(lengths)}
                 rec.update(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
@@ -197,12 +223,14 @@ def run(args: argparse.Namespace) -> list[dict]:
                     continue
                 try:
                     with torch.no_grad():
-                        got = methods[name](q.detach(), k.detach(), v.detach())
+                        got = torch.stack(
+                            _outputs(methods[name](q.detach(), k.detach(), v.detach()))
+                        )
                     # k_flash has no branch: only pass 0 (trunk alone) must agree
                     n = 1 if name == "k_flash" else passes
                     rec["max_err"] = (got[:n].float() - expected[:n]).abs().max().item()
-                    seconds, peak = _measure(methods[name], q, k, v, g, args.repeats, device)
-                    rec.update(status="ok", ms=1e3 * seconds, peak_mib=peak)
+                    seconds, peak, saved = _measure(methods[name], q, k, v, g, args.repeats, device)
+                    rec.update(status="ok", ms=1e3 * seconds, peak_mib=peak, saved_mib=saved)
                 except NotImplementedError as e:  # e.g. flex_attention has no CPU backward
                     rec["status"] = f"unsupported: {str(e).splitlines()[0]}"
                 except torch.OutOfMemoryError:

@@ -8,9 +8,9 @@ position i only (``d-1`` scores per query head). Both merge exactly by log-sum-e
 backward replays both with the joint output and lse, so the gradient through the lse survives.
 The K passes together cost K trunk calls: the floor, since every pass attends to the whole trunk.
 
-The branch is computed one branch pass at a time on grouped views (query heads as
-``[Hkv, G]``), in fp32, without expanding keys/values to the query heads: its temporaries are a
-few ``[T, Hq, D]`` tensors whatever d is, and it saves nothing beyond the joint out and lse.
+The branch's arithmetic is :mod:`learner.attention.ring_branch` (the same rows the
+context-parallel ring merges rank-locally): fused compiled kernels on CUDA, chunked eager ops
+elsewhere. It saves nothing beyond the joint out and lse.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from learner.attention.block import Backend, block_backward, block_forward, merge_lse
+from learner.attention.block import Backend, block_backward, block_forward
+from learner.attention.ring_branch import branch_backward_into, branch_merge
 
 
 def _branch_keys(ks: Sequence[Tensor], vs: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
@@ -29,23 +30,11 @@ def _branch_keys(ks: Sequence[Tensor], vs: Sequence[Tensor]) -> tuple[list[Tenso
     return list(ks[1:]), list(vs[1:])
 
 
-def _grouped(x: Tensor, hkv: int, acc: torch.dtype) -> Tensor:
-    """[T, Hq, D] -> [T, Hkv, G, D] in the accumulation dtype (GQA: head h uses kv h // G)."""
-    t, hq, d = x.shape
-    return x.to(acc).view(t, hkv, hq // hkv, d)
-
-
-def _scores(qg: Tensor, kb: Sequence[Tensor], scale: float) -> Tensor:
-    """Branch scores [T, Hkv, G, n]: query i against its own anchor's key in each branch pass."""
-    return torch.stack([(qg * k.to(qg.dtype).unsqueeze(2)).sum(-1) for k in kb], -1) * scale
-
-
 class PassAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, cu_seqlens, scale, backend, *kvs):  # type: ignore[override]
         n = len(kvs) // 2
         ks, vs = kvs[:n], kvs[n:]
-        hkv = ks[0].shape[1]
         out_a, lse_a = block_forward(
             q, ks[0], vs[0], cu_seqlens, cu_seqlens, causal=True, scale=scale, backend=backend
         )
@@ -53,21 +42,7 @@ class PassAttentionFn(torch.autograd.Function):
         if not kb:
             out, lse = out_a, lse_a.transpose(0, 1)
         else:
-            acc = torch.promote_types(q.dtype, torch.float32)
-            qg = _grouped(q, hkv, acc)
-            s = _scores(qg, kb, scale)  # [T, Hkv, G, n-1]
-            lse_b = torch.logsumexp(s, dim=-1)
-            p = torch.exp(s - lse_b.unsqueeze(-1))
-            out_b = torch.zeros_like(qg)
-            for j, v in enumerate(vb):
-                out_b += p[..., j, None] * v.to(acc).unsqueeze(2)
-            t, hq, d = q.shape
-            out, lse = merge_lse(
-                out_a.to(acc),
-                lse_a.transpose(0, 1).to(acc),
-                out_b.view(t, hq, d),
-                lse_b.view(t, hq),
-            )
+            out, lse = branch_merge(out_a, lse_a.transpose(0, 1), q, kb, vb, scale)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, out, lse, *ks, *vs)
         ctx.n, ctx.scale, ctx.backend = n, scale, backend
@@ -88,22 +63,8 @@ class PassAttentionFn(torch.autograd.Function):
         kb, vb = _branch_keys(ks, vs)
         if not kb:
             return (dq, None, None, None, dk0, dv0)
-        acc = torch.promote_types(q.dtype, torch.float32)
-        t, hq, d = q.shape
-        hkv = ks[0].shape[1]
-        qg, dg = _grouped(q, hkv, acc), _grouped(dout, hkv, acc)
-        delta = (dg * _grouped(out, hkv, acc)).sum(-1)  # rowsum(dout * out_joint) [T, Hkv, G]
-        lse_g = lse.to(acc).view(t, hkv, hq // hkv)
-        dqg = _grouped(dq, hkv, acc).clone()
-        dks, dvs = [dk0], [dv0]
-        for k, v in zip(kb, vb, strict=True):
-            kf, vf = k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)
-            p = torch.exp((qg * kf).sum(-1) * scale - lse_g)  # this block's share of the joint
-            dvs.append((p.unsqueeze(-1) * dg).sum(2).to(v.dtype))
-            ds = p * ((dg * vf).sum(-1) - delta) * scale
-            dqg += ds.unsqueeze(-1) * kf
-            dks.append((ds.unsqueeze(-1) * qg).sum(2).to(k.dtype))
-        return (dqg.view(t, hq, d).to(q.dtype), None, None, None, *dks, *dvs)
+        dks, dvs = branch_backward_into(dq, dout, q, kb, vb, out, lse, scale)
+        return (dq, None, None, None, dk0, *dks, dv0, *dvs)
 
 
 def pass_attention(

@@ -1,24 +1,32 @@
-"""The branch term of one TTT pass, rank-local, merged in place into the trunk's accumulators.
+"""The branch term of one TTT pass, rank-local, merged exactly with the trunk by log-sum-exp.
 
 The query of pass d at anchor i sees its own anchor's keys/values of passes 2..d (0-based here:
 ``kb[j]`` is pass j + 1's key at the same row). That needs no other position, so under context
-parallelism it stays on the rank that owns the anchor. Shapes are packed THD: q ``[T, Hq, D]``,
-each ``kb[j]``/``vb[j]`` ``[T, Hkv, D]`` (GQA: query head h uses kv head h // (Hq // Hkv); the
-heads are grouped with views, never repeated). Scores are ``[T, Hq, d - 1]``: never ``T x T``.
+parallelism it stays on the rank that owns the anchor, and on one device it is the same code.
+Shapes are packed THD: q ``[T, Hq, D]``, each ``kb[j]``/``vb[j]`` ``[T, Hkv, D]`` (GQA: query
+head h uses kv head h // (Hq // Hkv); the heads are grouped with views, never repeated). Scores
+are ``[T, Hq]`` per branch key: never ``T x T``.
 
-Every row is independent, so both directions run in chunks of :data:`CHUNK` rows: the fp32
-temporaries stay ``O(CHUNK * Hq * D * (d - 1))`` whatever T is, and the branch adds nothing to
-the per-token memory of a pass (docs/context_parallel.md).
+Every row is independent. The arithmetic lives in two row functions, :func:`merge_rows`
+(forward: branch scores, softmax and the merge with the trunk's ``(out, lse)`` in one pass) and
+:func:`grad_rows` (backward against the JOINT out/lse). On CUDA they run compiled
+(``torch.compile``: each becomes a few fused kernels that read q, dout and the branch keys once
+per row, with no fp32 ``[T, Hq, D]`` temporaries per key); elsewhere, or with
+``CODRAFT_COMPILE_BRANCH=0``, they run eagerly. Both directions go in chunks of :data:`CHUNK`
+rows, so temporaries stay ``O(CHUNK * Hq * D)`` whatever T is (docs/context_parallel.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import os
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-CHUNK = 8192  # rows per chunk
+CHUNK = 8192  # rows per chunk (eager); compiled kernels take GPU_CHUNK rows
+GPU_CHUNK = 65536
 
 _NEG_INF = float("-inf")
 
@@ -37,18 +45,91 @@ def merge_into(out: Tensor, lse: Tensor, o: Tensor, lse_o: Tensor) -> None:
     lse.copy_(new)
 
 
-def _groups(x: Tensor, hkv: int) -> Tensor:
-    """[R, Hq, D] -> [R, Hkv, G, D] (a view)."""
-    r, hq, d = x.shape
-    return x.view(r, hkv, hq // hkv, d)
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_kv(xs: Sequence[Tensor], r0: int, r1: int, acc: torch.dtype) -> Tensor:
-    return torch.stack([x[r0:r1] for x in xs]).to(acc)  # [n, R, Hkv, D]
+def merge_rows(
+    out_a: Tensor,
+    lse_a: Tensor,
+    q: Tensor,
+    kb: Sequence[Tensor],
+    vb: Sequence[Tensor],
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Rows of ``merge((out_a, lse_a), branch(q, kb, vb))``: out ``[R, Hq, D]`` and lse
+    ``[R, Hq]`` in the accumulation dtype (fp32, fp64 for fp64 inputs).
+
+    ``lse_a`` may be -inf (an empty trunk); the branch has at least one finite score per row,
+    so the normaliser is positive and nothing is nan."""
+    acc = _acc(q.dtype)
+    r, hq, d = q.shape
+    hkv = kb[0].shape[1]
+    g = hq // hkv
+    qg = q.to(acc).view(r, hkv, g, d)
+    la = lse_a.to(acc).reshape(r, hkv, g)
+    s = [(qg * k.to(acc).unsqueeze(2)).sum(-1) * scale for k in kb]  # each [R, Hkv, G]
+    m = la
+    for sj in s:
+        m = torch.maximum(m, sj)
+    ea = torch.exp(la - m)
+    e = [torch.exp(sj - m) for sj in s]
+    z = ea
+    o = ea.unsqueeze(-1) * out_a.to(acc).reshape(r, hkv, g, d)
+    for ej, v in zip(e, vb, strict=True):
+        z = z + ej
+        o = o + ej.unsqueeze(-1) * v.to(acc).unsqueeze(2)
+    o = o / z.unsqueeze(-1)
+    return o.view(r, hq, d), (m + torch.log(z)).view(r, hq)
 
 
-def _scores(qg: Tensor, k: Tensor, scale: float) -> Tensor:
-    return torch.einsum("rkgd,nrkd->rkgn", qg, k) * scale  # [R, Hkv, G, n]
+def grad_rows(
+    dq: Tensor,
+    dout: Tensor,
+    q: Tensor,
+    kb: Sequence[Tensor],
+    vb: Sequence[Tensor],
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """Rows of the branch's gradients given the JOINT ``out``/``lse``: ``P = exp(S - lse)`` is
+    the branch's slice of the joint softmax and ``delta = rowsum(dout * out)`` carries the
+    gradient through the lse. Returns ``(dq + dq_branch`` summed in the accumulation dtype and
+    cast back to dq's, ``dk list, dv list)``, dk/dv ``[R, Hkv, D]`` in the accumulation dtype."""
+    acc = _acc(q.dtype)
+    r, hq, d = q.shape
+    hkv = kb[0].shape[1]
+    g = hq // hkv
+    qg = q.to(acc).view(r, hkv, g, d)
+    dog = dout.to(acc).view(r, hkv, g, d)
+    delta = (dog * out.to(acc).view(r, hkv, g, d)).sum(-1)  # [R, Hkv, G]
+    lg = lse.to(acc).reshape(r, hkv, g)
+    dqg = dq.to(acc).view(r, hkv, g, d)
+    dks, dvs = [], []
+    for k, v in zip(kb, vb, strict=True):
+        kf, vf = k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)
+        p = torch.exp((qg * kf).sum(-1) * scale - lg)
+        ds = p * ((dog * vf).sum(-1) - delta) * scale
+        dqg = dqg + ds.unsqueeze(-1) * kf
+        dks.append((ds.unsqueeze(-1) * qg).sum(2))
+        dvs.append((p.unsqueeze(-1) * dog).sum(2))
+    return dqg.view(r, hq, d).to(dq.dtype), dks, dvs
+
+
+def _use_compiled(x: Tensor) -> bool:
+    return x.is_cuda and os.environ.get("CODRAFT_COMPILE_BRANCH", "1") != "0"
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def _kernels(x: Tensor) -> tuple[Callable, Callable, int]:
+    if _use_compiled(x):
+        return _compiled(merge_rows), _compiled(grad_rows), GPU_CHUNK
+    return merge_rows, grad_rows, CHUNK
 
 
 def branch_merge_into(
@@ -56,22 +137,42 @@ def branch_merge_into(
 ) -> None:
     """Merge the branch's attention into the accumulators ``out`` ``[T, Hq, D]`` and ``lse``
     ``[T, Hq]`` (fp32, or fp64 for fp64 inputs), in place, chunk by chunk."""
-    acc, hkv = out.dtype, kb[0].shape[1]
-    for r0 in range(0, q.shape[0], CHUNK):
-        r1 = min(r0 + CHUNK, q.shape[0])
-        k, v = _chunk_kv(kb, r0, r1, acc), _chunk_kv(vb, r0, r1, acc)
-        s = _scores(_groups(q[r0:r1].to(acc), hkv), k, scale)
-        lse_b = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - lse_b.unsqueeze(-1))
-        o = torch.einsum("rkgn,nrkd->rkgd", p, v).flatten(1, 2)
-        merge_into(out[r0:r1], lse[r0:r1], o, lse_b.flatten(1, 2))
+    merge, _, chunk = _kernels(q)
+    for r0 in range(0, q.shape[0], chunk):
+        r1 = min(r0 + chunk, q.shape[0])
+        o, lo = merge(out[r0:r1], lse[r0:r1], q[r0:r1], _rows(kb, r0, r1), _rows(vb, r0, r1), scale)
+        out[r0:r1].copy_(o)
+        lse[r0:r1].copy_(lo)
+
+
+def branch_merge(
+    out_a: Tensor,
+    lse_a: Tensor,
+    q: Tensor,
+    kb: Sequence[Tensor],
+    vb: Sequence[Tensor],
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """The trunk's ``(out_a [T, Hq, D], lse_a [T, Hq])`` merged with the branch: out in q's
+    dtype, lse in the accumulation dtype."""
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=_acc(q.dtype), device=q.device)
+    merge, _, chunk = _kernels(q)
+    for r0 in range(0, q.shape[0], chunk):
+        r1 = min(r0 + chunk, q.shape[0])
+        o, lo = merge(
+            out_a[r0:r1], lse_a[r0:r1], q[r0:r1], _rows(kb, r0, r1), _rows(vb, r0, r1), scale
+        )
+        out[r0:r1].copy_(o)
+        lse[r0:r1].copy_(lo)
+    return out, lse
 
 
 def branch_forward(
     q: Tensor, kb: Sequence[Tensor], vb: Sequence[Tensor], scale: float
 ) -> tuple[Tensor, Tensor]:
     """The branch alone: ``(out [T, Hq, D], lse [T, Hq])`` in fp32 (fp64 for fp64 inputs)."""
-    acc = torch.promote_types(q.dtype, torch.float32)
+    acc = _acc(q.dtype)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full(q.shape[:2], _NEG_INF, dtype=acc, device=q.device)
     branch_merge_into(out, lse, q, kb, vb, scale)
@@ -91,28 +192,25 @@ def branch_backward_into(
     """Gradients of the branch's share of a merged attention; dq is accumulated in place.
 
     ``out`` [T, Hq, D] and ``lse`` [T, Hq] are the JOINT output and log-sum-exp (trunk and
-    branch merged): then ``P = exp(S - lse)`` is the branch's slice of the joint softmax and
-    ``delta = rowsum(dout * out)`` carries the gradient through the lse. ``dq`` is an fp32/fp64
-    ``[T, Hq, D]`` accumulator. Returns ``(dk list, dv list)``, each ``[T, Hkv, D]`` in the
-    dtype of ``kb[0]``.
+    branch merged), see :func:`grad_rows`. ``dq`` is a ``[T, Hq, D]`` accumulator (any float
+    dtype; the sum is taken in fp32/fp64 and rounded once). Returns ``(dk list, dv list)``,
+    each ``[T, Hkv, D]`` in the dtype of ``kb[0]``.
     """
-    acc, hkv = dq.dtype, kb[0].shape[1]
+    _, grad, chunk = _kernels(q)
     dks = [torch.empty_like(k) for k in kb]
     dvs = [torch.empty_like(v) for v in vb]
-    for r0 in range(0, q.shape[0], CHUNK):
-        r1 = min(r0 + CHUNK, q.shape[0])
-        k, v = _chunk_kv(kb, r0, r1, acc), _chunk_kv(vb, r0, r1, acc)
-        qg = _groups(q[r0:r1].to(acc), hkv)
-        dog = _groups(dout[r0:r1].to(acc), hkv)
-        og = _groups(out[r0:r1].to(acc), hkv)
-        lg = lse[r0:r1].to(acc).view(r1 - r0, hkv, -1, 1)
-        p = torch.exp(_scores(qg, k, scale) - lg)
-        dp = torch.einsum("rkgd,nrkd->rkgn", dog, v)
-        ds = p * (dp - (dog * og).sum(-1, keepdim=True)) * scale
-        dq[r0:r1] += torch.einsum("rkgn,nrkd->rkgd", ds, k).flatten(1, 2)
-        dk = torch.einsum("rkgn,rkgd->nrkd", ds, qg)
-        dv = torch.einsum("rkgn,rkgd->nrkd", p, dog)
+    for r0 in range(0, q.shape[0], chunk):
+        r1 = min(r0 + chunk, q.shape[0])
+        dqn, dk, dv = grad(
+            dq[r0:r1], dout[r0:r1], q[r0:r1], _rows(kb, r0, r1), _rows(vb, r0, r1),
+            out[r0:r1], lse[r0:r1], scale,
+        )  # fmt: skip
+        dq[r0:r1].copy_(dqn)
         for j in range(len(kb)):
             dks[j][r0:r1] = dk[j]
             dvs[j][r0:r1] = dv[j]
     return dks, dvs
+
+
+def _rows(xs: Sequence[Tensor], r0: int, r1: int) -> list[Tensor]:
+    return [x[r0:r1] for x in xs]
