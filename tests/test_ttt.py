@@ -148,6 +148,25 @@ def test_ttt_fp32_close_to_fp64() -> None:
         torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-4)
 
 
+def test_ttt_under_bf16_autocast_close_to_fp32() -> None:
+    """The trainer's GPU setting (bf16 autocast, fp32 master weights), run on CPU: the draft's
+    q/k/v must leave qkv in one dtype, and the loss stays near the fp32 loss."""
+    lengths, K = [5, 1, 9, 3], 3
+    d32 = _draft(torch.float32)
+    b32 = _batch(lengths, torch.float32)
+    cfg = TTTConfig(num_passes=K)
+    want = ttt_forward(d32, *b32[:5], pass_attention, cfg, b32[5]).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q, k, v, _ = d32.qkv(d32.embed(b32[0]), b32[3][..., : d32.config.hidden_size], b32[1])
+        assert q.dtype == k.dtype == v.dtype == torch.bfloat16
+        got = ttt_forward(d32, *b32[:5], pass_attention, cfg, b32[5]).loss
+    got.backward()
+    assert abs(got.item() - want.item()) < 0.05 * abs(want.item())
+    assert all(
+        p.grad is not None and p.grad.isfinite().all() for p in d32.parameters() if p.requires_grad
+    )
+
+
 def test_roll_left_stays_inside_documents() -> None:
     cu = torch.tensor([0, 3, 4, 8], dtype=torch.int32)
     x = torch.arange(8)

@@ -160,7 +160,9 @@ class Eagle3Draft(nn.Module):
         q = layer.self_attn.q_proj(x).view(*lead, cfg.num_attention_heads, cfg.head_dim)
         k = layer.self_attn.k_proj(x).view(*lead, cfg.num_key_value_heads, cfg.head_dim)
         v = layer.self_attn.v_proj(x).view(*lead, cfg.num_key_value_heads, cfg.head_dim)
-        cos, sin = self.rotary(positions.to(x.device), x.dtype)
+        # q's dtype, not x's: under autocast the projections come out bf16 while x is fp32,
+        # and fp32 cos/sin would promote q and k away from v
+        cos, sin = self.rotary(positions.to(x.device), q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, residual
 
     def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
