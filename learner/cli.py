@@ -102,3 +102,11 @@ def main(args: argparse.Namespace) -> int:
     learner.install_signal_handlers()
     print(json.dumps(learner.run(), indent=2))
     return 0
+
+
+if __name__ == "__main__":  # `python -m learner.cli ...`: the learner alone (torch-only hosts)
+    import sys
+
+    _parser = argparse.ArgumentParser(prog="codraft learn")
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))
