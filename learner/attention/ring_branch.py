@@ -121,8 +121,17 @@ def _use_compiled(x: Tensor) -> bool:
     return x.is_cuda and os.environ.get("CODRAFT_COMPILE_BRANCH", "1") != "0"
 
 
+# One compiled graph per number of branch keys (1..7) and input layout, for each function.
+RECOMPILE_LIMIT = 64
+
+
 @functools.cache
 def _compiled(fn: Callable) -> Callable:
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
