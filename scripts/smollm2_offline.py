@@ -85,7 +85,10 @@ def stage_eval(args: argparse.Namespace, target: Path, out: Path) -> dict:
     from learner.teacher import Teacher, load_embedding
 
     answers = ArmResult.from_json(json.loads((out / "answers.json").read_text()))
-    draft_dir = out / "ckpt" / (out / "ckpt" / "latest").read_text().strip() / "draft"
+    if args.draft:  # a draft trained elsewhere (e.g. scripts/smollm2_gpu.py)
+        draft_dir = Path(args.draft)
+    else:
+        draft_dir = out / "ckpt" / (out / "ckpt" / "latest").read_text().strip() / "draft"
     draft, meta = load_draft(draft_dir)
     draft.set_embedding(load_embedding(target))
     teacher = Teacher.from_pretrained(target, recompute=True)
@@ -121,7 +124,9 @@ def stage_eval(args: argparse.Namespace, target: Path, out: Path) -> dict:
             a == b for a, b in zip(base.token_ids, spec.token_ids, strict=True)
         ),
     }
-    (out / "eval.json").write_text(json.dumps(report, indent=2))
+    (Path(args.report) if args.report else out / "eval.json").write_text(
+        json.dumps(report, indent=2)
+    )
     print(json.dumps(report, indent=2))
     return report
 
@@ -139,6 +144,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--draft-vocab", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft", default=None, help="eval: this draft folder instead of ckpt/latest")
+    p.add_argument("--report", default=None, help="eval: write the report here (default eval.json)")
     args = p.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
