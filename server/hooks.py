@@ -94,8 +94,10 @@ class RunnerHooks:
     # ------------------------------------------------------------------ install
     def install(self) -> None:
         runner = self.runner
-        holder = _aux_holder(runner.model)
-        have = tuple(holder.aux_hidden_state_layers)
+        model = _raw_model(runner)
+        holder = _aux_holder(model)
+        # vLLM 0.32 stores the aux layers sorted, 0.26 as given; both return them in layer order.
+        have = tuple(sorted(holder.aux_hidden_state_layers))
         if have != tuple(sorted(self.tap_layers)):
             raise RuntimeError(
                 f"the target collects aux hidden states of layers {list(have)}, but the draft's "
@@ -104,7 +106,8 @@ class RunnerHooks:
         if list(self.tap_layers) != sorted(self.tap_layers):
             raise RuntimeError(f"tap layers must be increasing, got {list(self.tap_layers)}")
         if self.extra_last:
-            runner.model.set_aux_hidden_state_layers(self.tap_layers + (self.num_layers,))
+            _check_not_compiled(runner)
+            model.set_aux_hidden_state_layers(self.tap_layers + (self.num_layers,))
         for name in self.NAMES:
             self._orig[name] = getattr(runner, name)
         runner._model_forward = self._model_forward
@@ -117,7 +120,7 @@ class RunnerHooks:
                 delattr(self.runner, name)  # back to the class's method
         self._orig.clear()
         if self.extra_last:
-            self.runner.model.set_aux_hidden_state_layers(self.tap_layers)
+            _raw_model(self.runner).set_aux_hidden_state_layers(self.tap_layers)
 
     # ------------------------------------------------------------------ wrappers
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -211,6 +214,27 @@ class RunnerHooks:
             i = index.get(s.req_id)
             sampled.append(list(sampled_all[i]) if i is not None and i < len(sampled_all) else [])
         self.listener.on_step(record, sampled)
+
+
+def _raw_model(runner: Any) -> Any:
+    """The runner's model without a CUDA-graph / micro-batch wrapper around it."""
+    get_model = getattr(runner, "get_model", None)
+    return get_model() if callable(get_model) else runner.model
+
+
+def _check_not_compiled(runner: Any) -> None:
+    """The extra aux layer is set after start-up: a model that torch.compile traced before
+    would not return it (vLLM drops the guards). enforce_eager=True turns compilation off."""
+    config = getattr(runner, "compilation_config", None)
+    if config is None:
+        config = getattr(getattr(runner, "vllm_config", None), "compilation_config", None)
+    mode = getattr(config, "mode", None)
+    if mode is not None and getattr(mode, "name", str(mode)) != "NONE":
+        raise RuntimeError(
+            f"the target model is compiled (compilation mode {getattr(mode, 'name', mode)}); "
+            "codraft adds an aux layer after start-up, which a compiled graph would not see: "
+            "run the engine with enforce_eager=True"
+        )
 
 
 def _aux_holder(model: Any) -> Any:

