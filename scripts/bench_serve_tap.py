@@ -18,8 +18,14 @@ ignore_eos, --max-tokens each) in a closed loop.
    timed: under load that is the wait for the running engine step, which every swap pays too.
 3. Bytes per token streamed: bytes the recorder wrote / tokens in the recorded messages.
 
-Writes runs/bench_serve_tap/result.json and result.png. Usage:
+Each swap's reply carries the parts of its latency (`timing_ms`: prepare_ms = read_check_ms +
+stage_ms in the worker's background thread, install_ms between two engine steps, wait_ms = the
+rest: RPC round trips and waits for step boundaries, commit_rpcs); the summary has their p50/p99.
+
+Writes runs/bench_serve_tap/result.json and result.png (--only swap: part 2 alone, into
+swap_result.json). Usage:
     .venv/bin/python scripts/bench_serve_tap.py [--rounds 8] [--window 30] [--clients 16]
+    .venv/bin/python scripts/bench_serve_tap.py --only swap [--swaps 50]
 """
 
 from __future__ import annotations
@@ -57,6 +63,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--swaps", type=int, default=20, help="idle swaps, and as many under load")
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--out", default="runs/bench_serve_tap")
+    p.add_argument(
+        "--only",
+        choices=("all", "swap"),
+        default="all",
+        help="swap: only part 2, swap latency (writes swap_result.json)",
+    )
     return p.parse_args()
 
 
@@ -255,9 +267,12 @@ async def swap_series(
             body = {"version": v, "path": str(path), "sha256": shas[v % 2]}
             r = await c.post(f"{curl}/v1/draft", json=body)
             ms = 1000 * (time.perf_counter() - t0)
-            rows.append({"version": v, "status": r.status_code, "ms": ms, "probe_ms": probe_ms})
             if r.status_code != 200:
                 raise RuntimeError(f"swap to v{v} failed: {r.status_code} {r.text}")
+            timing = r.json().get("timing_ms") or {}
+            rows.append(
+                {"version": v, "status": r.status_code, "ms": ms, "probe_ms": probe_ms, **timing}
+            )
             await asyncio.sleep(gap_s)
     return rows
 
@@ -306,6 +321,9 @@ def main() -> int:
     result: dict[str, Any] = {"args": vars(args), "model": model.name}
     servers: list = []
     try:
+        if args.only == "swap":
+            result["swaps"] = swap_part(args, model, (a, b), endpoint, out, stamp, servers)
+            return finish_swap_only(result, out)
         # 1. two servers, one core each, tap on in one of them per round
         servers = [
             start_server(args, model, a, endpoint, out, f"serve-{i}.log", cores=str(i))
@@ -317,21 +335,9 @@ def main() -> int:
         result["rounds"] = asyncio.run(paired_rounds(servers, args, name, prompts))
         for s in servers:
             s.stop()
+        servers.clear()
         # 2. swap latency on one server with both cores, as deployed
-        server = start_server(args, model, a, endpoint, out, "serve-swaps.log")
-        servers = [server]
-        server.wait_ready(900)
-        print("swap server ready", flush=True)
-        asyncio.run(swap_series(server.control_url, (a, b), out / f"swaps-{stamp}", 1, 2, 0.2))
-        idle = asyncio.run(
-            swap_series(server.control_url, (a, b), out / f"swaps-{stamp}", 3, args.swaps, 0.2)
-        )
-        loaded = asyncio.run(
-            swaps_under_load(
-                server, args, name, prompts, (a, b), out / f"swaps-{stamp}", 3 + args.swaps
-            )
-        )
-        result["swaps"] = {"idle": idle, "under_load": loaded}
+        result["swaps"] = swap_part(args, model, (a, b), endpoint, out, stamp, servers)
     finally:
         for s in servers:
             s.stop()
@@ -346,6 +352,57 @@ def main() -> int:
     plot(result, out / "result.png")
     print(json.dumps(result["summary"], indent=2))
     print(f"wrote {out / 'result.json'} and {out / 'result.png'}")
+    return 0
+
+
+def swap_part(
+    args: argparse.Namespace,
+    model: Path,
+    drafts: tuple[Path, Path],
+    endpoint: str,
+    out: Path,
+    stamp: str,
+    servers: list,
+) -> dict[str, list[dict]]:
+    """Part 2: swap round trips on one server with both cores, idle then under load."""
+    from codraft.prompts import reasoning_prompts
+
+    prompts = [p.question for p in reasoning_prompts(64)]
+    server = start_server(args, model, drafts[0], endpoint, out, "serve-swaps.log")
+    servers.append(server)
+    server.wait_ready(900)
+    print("swap server ready", flush=True)
+    where = out / f"swaps-{stamp}"
+    asyncio.run(swap_series(server.control_url, drafts, where, 1, 2, 0.2))  # warm-up
+    idle = asyncio.run(swap_series(server.control_url, drafts, where, 3, args.swaps, 0.2))
+    loaded = asyncio.run(
+        swaps_under_load(server, args, str(model), prompts, drafts, where, 3 + args.swaps)
+    )
+    return {"idle": idle, "under_load": loaded}
+
+
+SWAP_PARTS = ("prepare_ms", "read_check_ms", "stage_ms", "install_ms", "wait_ms", "commit_rpcs")
+
+
+def swap_summary(swaps: dict[str, list[dict]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, short in (("idle", "idle"), ("under_load", "load")):
+        rows = swaps[key]
+        for col, name in [("ms", "swap_ms"), ("probe_ms", "probe_rpc_ms")] + [
+            (p, f"swap_{p}") for p in SWAP_PARTS
+        ]:
+            vals = [r[col] for r in rows if col in r]
+            if vals:
+                out[f"{name}_{short}_p50"] = pct(vals, 50)
+                out[f"{name}_{short}_p99"] = pct(vals, 99)
+    return out
+
+
+def finish_swap_only(result: dict, out: Path) -> int:
+    result["summary"] = swap_summary(result["swaps"])
+    (out / "swap_result.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result["summary"], indent=2))
+    print(f"wrote {out / 'swap_result.json'}")
     return 0
 
 
@@ -386,13 +443,7 @@ def summarize(result: dict) -> None:
         else None,
         "tap_messages": taps["messages"],
         "recorder_rejected": result["recorder"]["rejected"],
-        "swap_ms_idle_p50": pct(idle, 50),
-        "swap_ms_idle_p99": pct(idle, 99),
-        "swap_ms_load_p50": pct(load, 50),
-        "swap_ms_load_p99": pct(load, 99),
-        "probe_rpc_ms_idle_p50": pct([s["probe_ms"] for s in result["swaps"]["idle"]], 50),
-        "probe_rpc_ms_load_p50": pct([s["probe_ms"] for s in result["swaps"]["under_load"]], 50),
-        "probe_rpc_ms_load_p99": pct([s["probe_ms"] for s in result["swaps"]["under_load"]], 99),
+        **swap_summary(result["swaps"]),
         "swaps": len(idle) + len(load),
     }
 

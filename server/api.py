@@ -50,6 +50,7 @@ class ControlSettings:
     probe_timeout_s: float = 5.0  # /ready, /metrics, GET routes
     swap_wait_s: float = 300.0  # how long a swap waits for the one in progress
     refresh_s: float = 0.5  # how often the cached draft/policy versions are re-read
+    commit_poll_s: float = 0.005  # a draft swap asks this often whether its draft is prepared
     max_body_bytes: int = 8192
     checkpoint_root: str | None = None  # if set, loaded paths must resolve inside it
 
@@ -210,6 +211,13 @@ class EngineControl:
     # -------------------------------------------------------------- swaps
     async def swap(self, method: str, **kwargs: Any) -> dict:
         """Run a state-changing RPC under the swap lock and update the cached versions."""
+        return await self.swap_locked(lambda: self.rpc(method, **kwargs), method)
+
+    async def swap_locked(
+        self, body: Callable[[], Awaitable[dict]], what: str = "draft swap"
+    ) -> dict:
+        """Run `body` (state-changing RPCs) under the swap lock; update the cached versions
+        from its reply."""
         try:
             await asyncio.wait_for(self.swap_lock.acquire(), self.settings.swap_wait_s)
         except TimeoutError:
@@ -219,13 +227,54 @@ class EngineControl:
         try:
             self._epoch += 1
             t0 = time.perf_counter()
-            reply = await self.rpc(method, **kwargs)
+            reply = await body()
             self._note(reply)
-            log.info("%s done in %.1f ms", method, 1000 * (time.perf_counter() - t0))
+            log.info("%s done in %.1f ms", what, 1000 * (time.perf_counter() - t0))
             return reply
         finally:
             self._epoch += 1
             self.swap_lock.release()
+
+    async def swap_draft(self, path: str, version: int, sha256: str | None) -> dict:
+        """A draft swap in two phases, under the swap lock: `codraft_prepare_draft` starts the
+        read/hash/check/staging in a worker thread and returns a ticket; `codraft_commit_draft`
+        is asked again every `commit_poll_s` until the draft is prepared, and then installs it
+        between two engine steps. The reply's `timing_ms` adds this side's view to the
+        engine's: `total_ms`, `prepare_rpc_ms` (the first RPC's round trip), `commit_rpcs`, and
+        `wait_ms` = total - prepare_ms - install_ms (RPC round trips and waits for step
+        boundaries)."""
+        t0 = time.perf_counter()
+
+        async def body() -> dict:
+            ticket = (
+                await self.rpc("codraft_prepare_draft", path=path, version=version, sha256=sha256)
+            )["ticket"]
+            t1 = time.perf_counter()
+            deadline = t1 + self.settings.rpc_timeout_s
+            polls = 0
+            while True:
+                await asyncio.sleep(self.settings.commit_poll_s)
+                reply = await self.rpc("codraft_commit_draft", ticket=ticket)
+                polls += 1
+                if reply.get("ready"):
+                    break
+                if time.perf_counter() > deadline:
+                    raise ControlError(
+                        504,
+                        f"draft v{version} was not prepared within "
+                        f"{self.settings.rpc_timeout_s:.0f} s",
+                    )
+            timing = dict(reply.get("timing_ms") or {})
+            total = 1e3 * (time.perf_counter() - t0)
+            timing.update(
+                total_ms=total,
+                prepare_rpc_ms=1e3 * (t1 - t0),
+                commit_rpcs=polls,
+                wait_ms=total - timing.get("prepare_ms", 0.0) - timing.get("install_ms", 0.0),
+            )
+            return {**reply, "timing_ms": timing}
+
+        return await self.swap_locked(body)
 
 
 # ------------------------------------------------------------------------- routes
@@ -284,13 +333,12 @@ def control_router(control: EngineControl, auth: Callable[..., Awaitable[None]])
     @r.post("/v1/draft")
     async def post_draft(request: Request) -> dict:
         """Load a new draft {version, path, sha256}: 409 not newer, 422 contract or checksum,
-        404 missing; the previous draft keeps serving on every failure."""
+        404 missing; the previous draft keeps serving on every failure. The reply is the new
+        draft plus `timing_ms` (see EngineControl.swap_draft)."""
         body = await read_body(request, DraftLoadRequest)
         path = checked_path(control, body.path)
-        reply = await control.swap(
-            "codraft_load_draft", path=path, version=body.version, sha256=body.sha256
-        )
-        return reply["draft"]
+        reply = await control.swap_draft(path, body.version, body.sha256)
+        return {**reply["draft"], "timing_ms": reply["timing_ms"]}
 
     @r.post("/v1/draft/rollback")
     async def rollback_draft(request: Request) -> dict:

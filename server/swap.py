@@ -29,7 +29,7 @@ import math
 import os
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
@@ -81,7 +81,8 @@ class DraftSlot:
     path: str
     loaded_at: str
     config: DraftConfig
-    weights: dict[str, torch.Tensor]  # checkpoint names, CPU tensors
+    weights: dict[str, torch.Tensor]  # checkpoint names, CPU tensors (dropped once staged)
+    kernels: Any = field(default=None, repr=False)  # server.draft_kernels.KernelState
 
     def info(self) -> dict[str, Any]:
         return {
@@ -217,7 +218,8 @@ def _quiet_shared_warnings() -> Iterator[None]:
 def write_draft_weights(runner: Any, vllm_config: Any, weights: dict[str, torch.Tensor]) -> None:
     """Write checkpoint-format draft weights into the running drafter, in place."""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    from server.compat import reload_weights_inplace as reload_weights  # per vLLM release
 
     spec = vllm_config.speculative_config
     # reload_weights reads model_config, load_config and lora_config of the config it is given:

@@ -15,12 +15,19 @@ RPC interface (all values plain JSON types):
 - `codraft_info()` -> {"ok", "draft": {"version", "sha256", "path", "loaded_at", "tap_layers",
   "previous_version"}, "policy": {"version", "path", "loaded_at"}, "tap": {"enabled", "mode",
   "sample_rate", "endpoint"}, "vllm_version"}
-- `codraft_load_draft(path, version, sha256=None)` -> {"ok", "draft", "timing_ms": {"check_ms",
-  "write_ms", "cpu_ms"}}; 409 when version is not
-  above the current one, 404 when path does not exist, 422 when the checkpoint fails a check
-  (contract, shapes, vocab, tap layers, checksum, truncated or missing files, version differing
-  from its codraft.json), 500 when writing the weights failed (the previous draft is restored).
-  The previous draft is kept for rollback.
+- `codraft_prepare_draft(path, version, sha256=None)` -> {"ok", "ticket", "version", "ready":
+  False}: starts reading, hashing, checking and staging the checkpoint in a background thread
+  (server.draft_swap); 409 when version is not above the current one, 404 when path does not
+  exist, 422 on malformed arguments. Returns at once.
+- `codraft_commit_draft(ticket)` -> {"ok", "ready": False, "elapsed_ms"} while the thread runs;
+  then {"ok", "ready": True, "draft", "timing_ms": {"queued_ms", "read_check_ms", "stage_ms",
+  "prepare_ms", "prepare_cpu_ms", "install_ms"}}, or the preparation's error: 422 when the
+  checkpoint fails a check (contract, shapes, vocab, tap layers, checksum, truncated or missing
+  files, version differing from its codraft.json), 404, 500 when writing the weights failed (the
+  previous draft is restored); 409 for a ticket that is not the latest prepared one or a version
+  no longer newer. The previous draft is kept for rollback.
+- `codraft_load_draft(path, version, sha256=None)` -> as a ready commit: both phases in one RPC
+  (the engine does not step meanwhile).
 - `codraft_rollback_draft(reason="manual")` -> {"ok", "draft", "rolled_back_from"}; 409 when
   there is no previous draft (one level is kept; after a rollback there is none).
 - `codraft_load_policy(path, version)` -> {"ok", "policy", "reset_prefix_cache": True}; 409 /
@@ -48,11 +55,9 @@ from __future__ import annotations
 import atexit
 import logging
 import re
-import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -62,18 +67,18 @@ from server.acceptance import Acceptance, should_roll_back
 from server.capture import Capture, TapTarget
 from server.compat import require_supported
 from server.config import EngineConfig, check_endpoint, check_sample_rate
+from server.draft_swap import DraftSwapper
 from server.hooks import RunnerHooks, StepListener, StepRecord
 from server.publisher import PublisherStats, TapPublisher, sampled
 from server.swap import (
+    DraftSlot,
     PolicySlot,
     SwapError,
     check_policy,
     folder_layout,
-    prepare_draft,
     read_initial_draft,
     serving_target,
     utc_now,
-    write_draft_weights,
     write_policy_weights,
 )
 
@@ -125,9 +130,13 @@ class CodraftEngine(StepListener):
 
         self.is_sender = get_tp_group().rank_in_group == 0
         spec = self.vllm_config.speculative_config
-        self.current = read_initial_draft(spec.draft_model_config.model)
-        self.previous = None
         self.serving = serving_target(self.vllm_config)
+        self.swapper = DraftSwapper(
+            self.runner,
+            self.vllm_config,
+            self.serving["fingerprint"],
+            read_initial_draft(spec.draft_model_config.model),
+        )
         self.policy = PolicySlot(0, self.serving["path"], utc_now())
         self.acceptance = Acceptance(self.cfg.rollback_window)
         self.reference_rate: float | None = None
@@ -328,64 +337,39 @@ class CodraftEngine(StepListener):
             "endpoint": self.endpoint,
         }
 
-    def load_draft(self, path: Any, version: Any, sha256: Any = None) -> dict[str, Any]:
-        path, version = _str_arg("path", path), _int_arg("version", version)
-        if sha256 is not None and not (isinstance(sha256, str) and len(sha256) == 64):
-            raise SwapError(422, f"sha256 must be 64 hex digits or null, got {sha256!r}")
-        if version <= self.current.version:
-            raise SwapError(
-                409,
-                f"draft version {version} is not newer than the serving version "
-                f"{self.current.version}",
-            )
-        t0, c0 = time.perf_counter(), time.thread_time()
-        slot = prepare_draft(path, version, sha256, self.current, self.serving["fingerprint"])
-        t1 = time.perf_counter()
-        self._write_draft(slot.weights, restore=self.current.weights)
-        t2, c2 = time.perf_counter(), time.thread_time()
-        self.reference_rate = self.acceptance.window_rate(self.current.version)
-        self.previous, self.current = self.current, slot
-        self.acceptance.reset_window(slot.version)
+    @property
+    def current(self) -> DraftSlot:
+        return self.swapper.current
+
+    @property
+    def previous(self) -> DraftSlot | None:
+        return self.swapper.previous
+
+    def swapped(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """Bookkeeping after a draft commit (server.draft_swap) that installed a new draft."""
+        if not reply.get("ready"):
+            return reply
+        old, new = self.previous, self.current
+        assert old is not None
+        self.reference_rate = self.acceptance.window_rate(old.version)
+        self.acceptance.reset_window(new.version)
         self.swaps += 1
-        timing = {
-            "check_ms": 1e3 * (t1 - t0),
-            "write_ms": 1e3 * (t2 - t1),
-            "cpu_ms": 1e3 * (c2 - c0),  # this thread's CPU time: the cost on an idle machine
-        }
-        log.info("codraft: draft v%d -> v%d (%s, %s)", self.previous.version, version, path, timing)
-        return {"ok": True, "draft": self.info()["draft"], "timing_ms": timing}
+        log.info("codraft: draft v%d -> v%d (%s)", old.version, new.version, reply["timing_ms"])
+        return {**reply, "draft": self.info()["draft"]}
 
     def rollback(self, reason: Any = "manual", auto: bool = False) -> dict[str, Any]:
-        if self.previous is None:
-            raise SwapError(
-                409,
-                f"no previous draft to roll back to (serving v{self.current.version}; one "
-                "level is kept, and a rollback uses it up)",
-            )
-        prev, rolled = self.previous, self.current
-        self._write_draft(prev.weights, restore=rolled.weights)
-        self.current, self.previous = replace(prev, loaded_at=utc_now()), None
-        self.acceptance.reset_window(prev.version)
+        rolled = self.swapper.rollback()
+        self.acceptance.reset_window(self.current.version)
         self.reference_rate = None
         self.rollbacks += 1
         self.auto_rollbacks += int(auto)
         log.warning(
-            "codraft: draft v%d rolled back to v%d (%s)", rolled.version, prev.version, reason
+            "codraft: draft v%d rolled back to v%d (%s)",
+            rolled.version,
+            self.current.version,
+            reason,
         )
         return {"ok": True, "draft": self.info()["draft"], "rolled_back_from": rolled.version}
-
-    def _write_draft(self, weights: dict, restore: dict) -> None:
-        try:
-            write_draft_weights(self.runner, self.vllm_config, weights)
-        except Exception as e:
-            log.exception("codraft: writing draft weights failed; restoring the serving draft")
-            try:
-                write_draft_weights(self.runner, self.vllm_config, restore)
-            except Exception as e2:
-                raise SwapError(
-                    500, f"writing draft weights failed ({e}) and restoring failed too ({e2})"
-                ) from None
-            raise SwapError(500, f"writing draft weights failed ({e}); old draft kept") from None
 
     def load_policy(self, path: Any, version: Any) -> dict[str, Any]:
         path, version = _str_arg("path", path), _int_arg("version", version)
@@ -487,7 +471,13 @@ class CodraftWorkerExtension:
         return self._codraft_call(lambda e: e.info())
 
     def codraft_load_draft(self, path: str, version: int, sha256: str | None = None) -> dict:
-        return self._codraft_call(lambda e: e.load_draft(path, version, sha256))
+        return self._codraft_call(lambda e: e.swapped(e.swapper.load(path, version, sha256)))
+
+    def codraft_prepare_draft(self, path: str, version: int, sha256: str | None = None) -> dict:
+        return self._codraft_call(lambda e: e.swapper.prepare(path, version, sha256))
+
+    def codraft_commit_draft(self, ticket: str) -> dict[str, Any]:
+        return self._codraft_call(lambda e: e.swapped(e.swapper.commit(ticket)))
 
     def codraft_rollback_draft(self, reason: str = "manual") -> dict[str, Any]:
         return self._codraft_call(lambda e: e.rollback(f"manual: {reason}"))

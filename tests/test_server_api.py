@@ -593,6 +593,39 @@ DRAFT = {"version": 3, "sha256": "a" * 64, "path": "/d", "loaded_at": "t", "tap_
 INFO = {"ok": True, "draft": DRAFT, "policy": {"version": 0}, "tap": {"enabled": False}}
 
 
+def _swap_replies() -> dict[str, Any]:
+    timing = {"prepare_ms": 40.0, "install_ms": 1.0}
+    return {
+        "codraft_prepare_draft": {"ok": True, "ticket": "t", "ready": False},
+        "codraft_commit_draft": {"ok": True, "ready": True, "draft": DRAFT, "timing_ms": timing},
+    }
+
+
+def test_draft_swap_polls_until_prepared_and_reports_its_parts() -> None:
+    from fastapi.testclient import TestClient
+
+    engine = FakeEngine({"codraft_info": INFO, **_swap_replies()})
+    ready = engine.replies["codraft_commit_draft"]
+    answers = [{"ok": True, "ready": False}] * 2 + [ready]
+    engine.replies["codraft_commit_draft"] = None
+
+    async def commit(method, timeout=None, args=(), kwargs=None):
+        if method != "codraft_commit_draft":
+            return await FakeEngine.collective_rpc(engine, method, timeout, args, kwargs)
+        engine.calls.append((method, kwargs or {}))
+        return [answers.pop(0)]
+
+    engine.collective_rpc = commit  # type: ignore[method-assign]
+    with TestClient(_fake_app(engine)) as c:
+        r = c.post("/v1/draft", json={"version": 4, "path": "/p"}, headers=AUTH)
+        assert r.status_code == 200, r.text
+        timing = r.json()["timing_ms"]
+        assert r.json()["version"] == DRAFT["version"] and timing["commit_rpcs"] == 3
+        assert timing["total_ms"] >= timing["prepare_rpc_ms"] >= 50  # the fake's 50 ms
+        assert timing["wait_ms"] == timing["total_ms"] - 41.0
+    assert [m for m, _ in engine.calls].count("codraft_commit_draft") == 3
+
+
 def test_engine_replies_map_to_http_statuses() -> None:
     from fastapi.testclient import TestClient
 
@@ -600,7 +633,8 @@ def test_engine_replies_map_to_http_statuses() -> None:
         {
             "codraft_info": INFO,
             "codraft_stats": {"ok": True, "acceptance": {"3": {"drafts": 1}}},
-            "codraft_load_draft": {"ok": False, "status": 422, "error": "tap layers: expected"},
+            "codraft_prepare_draft": {"ok": True, "ticket": "t1", "ready": False},
+            "codraft_commit_draft": {"ok": False, "status": 422, "error": "tap layers: expected"},
             "codraft_rollback_draft": {"ok": False, "status": 99, "error": "odd status"},
             "codraft_set_tap": ["not", "a", "dict"],
             "codraft_load_policy": RuntimeError("worker has no codraft_load_policy"),
@@ -611,17 +645,17 @@ def test_engine_replies_map_to_http_statuses() -> None:
         assert r.status_code == 200 and r.json()["acceptance"] == {"drafts": 1}
         r = c.post("/v1/draft", json={"version": 4, "path": "/p"}, headers=AUTH)
         assert (r.status_code, r.json()) == (422, {"detail": "tap layers: expected"})
-        assert engine.calls[-1] == (
-            "codraft_load_draft",
-            {"path": "/p", "version": 4, "sha256": None},
-        )
+        assert engine.calls[-2:] == [
+            ("codraft_prepare_draft", {"path": "/p", "version": 4, "sha256": None}),
+            ("codraft_commit_draft", {"ticket": "t1"}),
+        ]
         r = c.post("/v1/draft/rollback", headers=AUTH)
         assert r.status_code == 500 and r.json()["detail"] == "odd status"
         r = c.put("/v1/tap", json={"enabled": True}, headers=AUTH)
         assert r.status_code == 502 and "expected a dict" in r.json()["detail"]
         r = c.post("/v1/policy", json={"version": 1, "path": "/p"}, headers=AUTH)
         assert r.status_code == 502 and "no codraft_load_policy" in r.json()["detail"]
-        engine.replies["codraft_load_draft"] = "hang"
+        engine.replies["codraft_prepare_draft"] = "hang"
         r = c.post("/v1/draft", json={"version": 4, "path": "/p"}, headers=AUTH)
         assert r.status_code == 504, r.text
         engine.replies["codraft_info"] = {"ok": True, "draft": {"version": None}}
@@ -636,23 +670,22 @@ def test_checkpoint_root_confines_loaded_paths(tmp_path: Path) -> None:
     (root / "v4").mkdir(parents=True)
     (tmp_path / "elsewhere").mkdir()
     (root / "escape").symlink_to(tmp_path / "elsewhere")
-    engine = FakeEngine({"codraft_info": INFO, "codraft_load_draft": {"ok": True, "draft": DRAFT}})
+    engine = FakeEngine({"codraft_info": INFO, **_swap_replies()})
     with TestClient(_fake_app(engine, checkpoint_root=str(root))) as c:
         for bad in (tmp_path / "elsewhere", root / "escape", root / ".." / "elsewhere"):
             r = c.post("/v1/draft", json={"version": 4, "path": str(bad)}, headers=AUTH)
             assert r.status_code == 403 and "checkpoint root" in r.json()["detail"], r.text
-        assert not [m for m, _ in engine.calls if m == "codraft_load_draft"]
+        assert not [m for m, _ in engine.calls if m == "codraft_prepare_draft"]
         r = c.post("/v1/draft", json={"version": 4, "path": str(root / "v4")}, headers=AUTH)
         assert r.status_code == 200
-        assert engine.calls[-1][1]["path"] == os.path.realpath(root / "v4")
+        assert engine.calls[-2][1]["path"] == os.path.realpath(root / "v4")
 
 
 def test_policy_load_resets_the_prefix_cache_and_swaps_run_one_at_a_time() -> None:
-    reply = {"ok": True, "draft": DRAFT}
     engine = FakeEngine(
         {
             "codraft_info": INFO,
-            "codraft_load_draft": reply,
+            **_swap_replies(),
             "codraft_load_policy": {
                 "ok": True,
                 "policy": {"version": 1},

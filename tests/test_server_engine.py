@@ -399,10 +399,48 @@ def _drive(plan: dict) -> dict:
         versions=versions,
         bad_tap=rpc("codraft_set_tap", mode="sideways"),
     )
+    phase("staged", **_staged_swaps(rpc, plan, lambda: gen(llm, plan["prompts"], params)))
     t = time.perf_counter()
     llm.llm_engine.engine_core.shutdown()
     res["shutdown_seconds"] = time.perf_counter() - t
     return res
+
+
+def _staged_swaps(rpc, plan: dict, generate) -> dict:
+    """The two-phase swap: codraft_prepare_draft + codraft_commit_draft (as the HTTP API)."""
+
+    def commit(ticket: str) -> tuple[dict, int]:
+        for polls in range(1, 2000):
+            reply = rpc("codraft_commit_draft", ticket=ticket)
+            if not (reply["ok"] and not reply["ready"]):
+                return reply, polls
+            time.sleep(0.002)
+        raise RuntimeError("the draft was never prepared")
+
+    good, version = plan["bad"]["sha256_argument"]
+    before = rpc("codraft_info")
+    bad = rpc("codraft_prepare_draft", path=plan["bad"]["wrong_shapes"][0], version=21)
+    bad_commit, _ = commit(bad["ticket"])
+    after_bad = rpc("codraft_info")
+    first = rpc("codraft_prepare_draft", path=good, version=version)
+    second = rpc("codraft_prepare_draft", path=good, version=version)  # supersedes the first
+    superseded = rpc("codraft_commit_draft", ticket=first["ticket"])
+    done, polls = commit(second["ticket"])
+    again = rpc("codraft_commit_draft", ticket=second["ticket"])
+    return {
+        "before": before,
+        "bad": bad,
+        "bad_commit": bad_commit,
+        "after_bad": after_bad,
+        "superseded": superseded,
+        "done": done,
+        "polls": polls,
+        "again": again,
+        "not_newer": rpc("codraft_prepare_draft", path=good, version=version),
+        "missing": rpc("codraft_prepare_draft", path=good + "-missing", version=99),
+        "outputs": generate(),
+        "stats": rpc("codraft_stats"),
+    }
 
 
 # ---------------------------------------------------------------------------- engine tests
@@ -593,6 +631,27 @@ def test_request_versions_name_the_draft(run: EngineRun) -> None:
     assert v["versions"][ids[2]] in (5, 6)
     assert v["versions"]["no-such-request"] is None
     assert v["current"] == 5
+
+
+@pytestmark_vllm
+def test_staged_swap_prepares_off_the_loop_and_refuses_stale_tickets(run: EngineRun) -> None:
+    st = run.phase("staged")
+    serving = st["before"]["draft"]["version"]
+    assert st["bad"]["ok"] and st["bad"]["ready"] is False and st["bad"]["ticket"]
+    assert st["bad_commit"]["status"] == 422 and "fc.weight" in st["bad_commit"]["error"]
+    assert st["after_bad"]["draft"]["version"] == serving, "a failed prepare changed the draft"
+    assert st["superseded"]["status"] == 409 and "not the latest" in st["superseded"]["error"]
+    done = st["done"]
+    assert done["ok"] and done["ready"] and done["draft"]["version"] == 20
+    assert done["draft"]["previous_version"] == serving
+    t = done["timing_ms"]
+    assert t["prepare_ms"] >= t["read_check_ms"] > 0 and t["stage_ms"] > 0
+    assert t["install_ms"] < 10, t
+    assert st["again"]["status"] == 409, "a ticket was committed twice"
+    assert st["not_newer"]["status"] == 409 and st["missing"]["status"] == 404
+    assert _tokens(st["outputs"]) == _tokens(run.r["base1"]), "not lossless after the swap"
+    assert st["stats"]["swaps"] == run.phase("no_learner")["stats"]["swaps"] + 1
+    print(f"staged swap: {t}, {st['polls']} commit RPCs")
 
 
 # ---------------------------------------------------------------------------- no engine
