@@ -23,6 +23,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -67,21 +68,43 @@ def parse_args() -> argparse.Namespace:
 
 
 def random_stage(cfg: TargetConfig, index: int, num: int, dtype, device) -> TargetStage:
-    """Stage `index` of a random target, materialized on `device` alone (same on every run)."""
+    """Stage `index` of a random target, materialized on `device` alone (same on every run):
+    weights N(0, 0.02), norms 1, drawn on the device itself (seconds, even for 8B-class)."""
     with torch.device("meta"):
         model = TargetModel(cfg)
-    stage = TargetStage.from_model(model, index, num)
+    stage = TargetStage.from_model(model, index, num).to(dtype)
     stage.to_empty(device=device)
-    g = torch.Generator(device="cpu").manual_seed(1234 + index)
+    g = torch.Generator(device=device).manual_seed(1234 + index)
     with torch.no_grad():
         for name, p in stage.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=g).mul_(0.02).to(p.dtype))
-    stage.to(dtype)
+                p.normal_(0.0, 0.02, generator=g)
     stage.__dict__["rotary"] = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(device)
     return stage.requires_grad_(False).eval()
+
+
+def connect_p2p(groups: PipelineGroups, sources: Sequence[int], device: torch.device) -> None:
+    """Open every point-to-point path of the step (activations s -> s+1 on the pipeline group,
+    taps source -> last on the tap group, credits last -> source on the credit group) one at a
+    time, in the same order on every rank, before the first step. NCCL connects two ranks on
+    their first send/recv in a group (torch may first create a 2-rank communicator), blocking the
+    host until the peer joins too: left to the first step, stage 0's first activation send and
+    the last stage's first tap receive (posted before it waits for activations) could each wait
+    for the other (not yet seen on GPUs). Collective over the pipeline; costs nothing on gloo."""
+    ranks, last, me = groups.stage_ranks, groups.stage_ranks[-1], dist.get_rank()
+    edges = [(groups.pp_group, a, b) for a, b in zip(ranks[:-1], ranks[1:], strict=True)]
+    edges += [(groups.tap_group, s, last) for s in sources]
+    edges += [(groups.credit_group, last, s) for s in sources]
+    for group, src, dst in edges:
+        if me == src:
+            dist.send(torch.zeros(1, device=device), dst=dst, group=group)
+        elif me == dst:
+            dist.recv(torch.zeros(1, device=device), src=src, group=group)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
 
 
 def make_batch(a: argparse.Namespace):
@@ -109,6 +132,7 @@ def main() -> int:
         taps, ranges, dtype=dtype, device=device,
         config=TapChannelConfig(slots=a.slots, verify=not a.no_verify),
     )  # fmt: skip
+    connect_p2p(groups, groups.tap_sources(taps, ranges), device)
     pcfg = PipelineConfig(a.microbatches)
     pipes = {
         "off": Pipeline(stage, groups, (), None, pcfg),

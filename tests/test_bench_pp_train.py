@@ -1,0 +1,52 @@
+"""`scripts/bench_pp_train.py --smoke` under torchrun, world 2 (gloo, CPU, tiny target): the
+benchmark of issue 10 runs all three modes (no taps, TapChannel, host staging) for two microbatch
+counts, and its non-interference check finds the pipeline's results bitwise identical in all."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("off", "tapchannel", "host")
+CHECKED = ("stage_activations", "last_hidden", "logits", "teacher_probs", "taps", "draft_loss")
+
+
+def test_bench_pp_train_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "smoke.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(ROOT / "scripts" / "bench_pp_train.py"), "--smoke", "--out", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert "identical in all modes" in done.stdout
+
+    got = json.loads(out.read_text())
+    assert got["pp"] == 2 and got["passed"] is True
+    assert got["tap_sources"] == [0] and got["tap_bytes_per_step"] > 0
+    assert [r["microbatches"] for r in got["records"]] == [2, 4]
+    for r in got["records"]:
+        assert r["microbatches_run"] == r["microbatches"]
+        for mode in MODES:
+            step = r["step_s"][mode]
+            assert step["n"] == got["steps"] and 0 < step["p10"] <= step["median"] <= step["p90"]
+        off, tc = r["step_s"]["off"]["median"], r["step_s"]["tapchannel"]["median"]
+        assert math.isclose(r["tapchannel_overhead"], tc / off - 1)
+        for mode in ("tapchannel", "host"):
+            assert r["transfer_s"][mode]["median"] > 0
+            assert r["get_wait_s_per_step"][mode]["host_clock_s"]["n"] == got["steps"]
+        assert r["speedup_transfer"] > 0 and r["speedup_step"] > 0
+        for mode in ("off", "host"):
+            flags = r["identical"][mode]
+            assert all(flags[k] is True for k in CHECKED), (r["microbatches"], mode, flags)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert out.with_suffix(".png").stat().st_size > 0
