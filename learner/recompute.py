@@ -46,7 +46,7 @@ from learner.parallel.pp_cp import FeatureCollector, cp_draft_step
 from learner.parallel.stage import load_stage, split_layers
 from learner.parallel.tapchannel import TapChannelConfig
 from learner.teacher import Teacher
-from learner.trainer import StepMetrics, TrainConfig, Trainer, lr_at
+from learner.trainer import StepMetrics, TrainConfig, Trainer
 
 log = logging.getLogger("codraft.learn.pp")
 
@@ -194,10 +194,7 @@ class PipelineLearner:
     def _train_step(self, batch: PackedBatch, share: tuple[int, int]) -> StepMetrics:
         tr = self.trainer
         t0 = time.perf_counter()
-        lr = lr_at(tr.step_count, tr.cfg)
-        for group in tr.opt.param_groups:
-            group["lr"] = lr
-        tr.opt.zero_grad(set_to_none=True)
+        lr = tr.begin_step()
         params = list(tr.draft.parameters())
         if self._cp is None:
             consumer = DraftStage(
@@ -226,10 +223,7 @@ class PipelineLearner:
                  *[float(v) for v in out.pass_valid]], dtype=torch.float64,
             )  # fmt: skip
         sums = self._reduce(sums.to(self.device)).cpu()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, tr.cfg.max_grad_norm)
-        tr.opt.step()
-        tr.step_count += 1
-        tr.tokens_seen += int(batch.valid.sum())
+        grad_norm = tr.end_step(int(batch.valid.sum()))
         K = tr.cfg.num_passes
         correct, valid = sums[1 : 1 + K].tolist(), sums[1 + K :].tolist()
         return StepMetrics(

@@ -133,6 +133,23 @@ class Trainer:
     def tap_layers(self) -> tuple[int, ...]:
         return self.draft.config.tap_layers
 
+    def begin_step(self) -> float:
+        """Set this step's learning rate and clear the gradients; returns the learning rate."""
+        lr = lr_at(self.step_count, self.cfg)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.zero_grad(set_to_none=True)
+        return lr
+
+    def end_step(self, tokens: int) -> float:
+        """Clip, take the optimizer step and count it; returns the norm before clipping. Every
+        way of computing the gradients (this trainer, the pipeline learner) ends here."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.cfg.max_grad_norm)
+        self.opt.step()
+        self.step_count += 1
+        self.tokens_seen += tokens
+        return float(grad_norm)
+
     def step(self, batch: PackedBatch) -> StepMetrics:
         """One optimizer step on a packed batch (features streamed, or recomputed here)."""
         t0 = time.perf_counter()
@@ -143,12 +160,9 @@ class Trainer:
         shard = self.parallel.shard(batch) if self.parallel is not None else None
         local = shard.batch if shard is not None else batch
         teacher = self.teacher.draft_targets(local.last_hidden, self.draft.t2d)
-        lr = lr_at(self.step_count, cfg)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
+        lr = self.begin_step()
         use_bf16 = cfg.autocast_bf16 and self.device.type == "cuda"
         taps = local.taps.to(self.draft.fc.weight.dtype)
-        self.opt.zero_grad(set_to_none=True)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16):
             if shard is not None:
                 out = self.parallel.ttt_forward(self.draft, shard, teacher, cfg.ttt(), taps=taps)
@@ -168,10 +182,7 @@ class Trainer:
         out.loss.backward()
         if self.parallel is not None:
             self.parallel.reduce_gradients(self.draft.parameters())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), cfg.max_grad_norm)
-        self.opt.step()
-        self.step_count += 1
-        self.tokens_seen += int(batch.valid.sum())
+        grad_norm = self.end_step(int(batch.valid.sum()))
         if self.parallel is not None:
             reduced = self.parallel.reduce_metrics(out)
             loss, acc = float(reduced["loss"]), list(reduced["pass_acc"])
