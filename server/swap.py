@@ -359,6 +359,27 @@ def write_policy_weights(runner: Any, vllm_config: Any, files: list[Path]) -> No
         runner.reload_weights(
             weights_iterator=_stream(files), weights_path=None, is_checkpoint_format=True
         )
+        retie_lm_head(runner.get_model(), vllm_config)
+
+
+def retie_lm_head(model: Any, vllm_config: Any) -> None:
+    """After a reload, make a tied lm_head serve the new embedding.
+
+    A tied checkpoint has no lm_head tensor, so the reload never visits the head: its weight
+    may still be the old tensor, and on CPU its GEMM holds a packed copy made at load time
+    (`cpu_linear`). Copy the embedding in when the storage differs, then let the head's
+    method rebuild whatever it derived from its weight."""
+    if not getattr(vllm_config.model_config.hf_config, "tie_word_embeddings", False):
+        return
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or not hasattr(head, "weight"):
+        return
+    if head.weight.data_ptr() != embed.weight.data_ptr():
+        head.weight.data.copy_(embed.weight.data)
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
 
 
 def serving_target(vllm_config: Any) -> dict[str, Any]:
