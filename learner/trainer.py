@@ -203,11 +203,16 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, data_position: Any = None, counters: dict | None = None) -> Path:
+    def save(
+        self, data_position: Any = None, counters: dict | None = None, policy_version: int = 0
+    ) -> Path:
+        """Checkpoint (trainer state + draft). `policy_version`: the newest policy whose data
+        the draft has trained on (codraft.json records it; the server's lag metric reads it)."""
         self.draft_version += 1
         meta = DraftMeta(
             version=self.draft_version,
             parent_version=self.draft_version - 1 or None,
+            policy_version=policy_version,
             target_fingerprint=self.fingerprint,
             counters={"step": self.step_count, "tokens": self.tokens_seen, **(counters or {})},
         )

@@ -104,8 +104,10 @@ def test_buffer_policy_size_age_policy_window() -> None:
     for i, x in enumerate(s):
         buf.add(x, policy_version=0, now=1000.0 + i)
     assert len(buf) == 3 and buf.stats.evicted["size"] == 2
+    assert buf.newest_policy == 0
     buf.add(Sample.from_tap(_msg(9)), policy_version=1, now=1005.0)  # new policy
     assert len(buf) == 1 and buf.stats.evicted["policy"] == 3
+    assert buf.newest_policy == 1  # what the next published draft records as its policy
     buf.add(Sample.from_tap(_msg(10)), policy_version=1, now=1020.0)
     assert len(buf) == 1 and buf.stats.evicted["age"] == 1
     drawn = buf.draw(token_budget=100, now=1021.0)

@@ -20,7 +20,7 @@ from codraft.testing import make_agreeing_draft, make_constant_target
 from learner.acceptance import AcceptanceReport, estimate_acceptance, walk
 from learner.offline import train_from_dir
 from learner.teacher import Teacher, load_embedding
-from learner.trainer import TrainConfig, lr_at
+from learner.trainer import TrainConfig, Trainer, lr_at
 
 
 def _write_taps(target: Path, out: Path, n: int = 12, seed: int = 0) -> Path:
@@ -153,3 +153,13 @@ def test_torchrun_cp2_matches_single_process(
     wb, _ = load_draft(tmp_path / "cp" / latest / "draft")
     for (name, a), (_, b) in zip(wa.state_dict().items(), wb.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=f"{name} differs under CP")
+
+
+def test_checkpoint_records_the_policy_version(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """The online learner passes the newest policy its data came from; codraft.json keeps it."""
+    trainer = Trainer(
+        tiny_llama_dir, tmp_path / "ck", TrainConfig(draft_vocab_size=64, device="cpu")
+    )
+    ckpt = trainer.save(policy_version=7)
+    _, meta = check_draft(trainer.draft_dir(ckpt))
+    assert meta.policy_version == 7 and meta.version == 1

@@ -68,6 +68,12 @@ class SampleBuffer:
         self._rng = random.Random(seed)
         self.stats = BufferStats()
 
+    @property
+    def newest_policy(self) -> int:
+        """The newest policy version among the samples received so far."""
+        with self._lock:
+            return self._newest_policy
+
     def add(self, sample: Sample, policy_version: int = 0, now: float | None = None) -> None:
         now = time.time() if now is None else now
         entry = _Entry(sample, int(policy_version), now)

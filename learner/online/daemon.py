@@ -246,7 +246,9 @@ class OnlineLearner:
             log.info("candidate %.3f < serving %.3f: not published", cand, serving)
             self.metrics.candidates_skipped.inc()
             return False
-        ckpt = trainer.save(counters={"est_acceptance": cand or 0.0})
+        ckpt = trainer.save(
+            counters={"est_acceptance": cand or 0.0}, policy_version=self.buffer.newest_policy
+        )
         outcome = self.publisher.publish(trainer.draft_dir(ckpt))
         if outcome.ok:
             self.published.append(trainer.draft_version)
