@@ -43,6 +43,7 @@ from server.api import (
     add_outer_middleware,
     install_control,
 )
+from server.guard import SeedGuard, seeded_requests_crash
 from server.serve_config import (
     ServeConfig,
     parse_vllm_args,
@@ -237,6 +238,7 @@ async def serve(cfg: ServeConfig, args: argparse.Namespace, token: str | None) -
         here = {"/ready"} | (set(CONTROL_PATHS) if csock is None else set())
         add_outer_middleware(app, Dispatch, side=capp, paths=frozenset(here))
         add_outer_middleware(app, VersionHeaders, control=control)
+        add_outer_middleware(app, SeedGuard, enabled=seeded_requests_crash())
 
         if csock is not None:
             config = uvicorn.Config(

