@@ -271,6 +271,10 @@ def _write_model(folder: Path, spec: TinySpec, config: Any) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * spec.initializer_range)
             elif "norm" in name:
                 p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.1)
+    if getattr(config, "tie_word_embeddings", False):
+        # Tie explicitly: whether the constructor ties can depend on transformers' global state
+        # (in one process it saved an untied lm_head.weight after other models were loaded).
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
     model = model.to(torch_dtype)
     model.config.dtype = spec.dtype
     model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=2, pad_token_id=0)

@@ -66,7 +66,8 @@ def test_policy_reload_keeps_a_tied_head_tied(tmp_path: Path) -> None:
     if proc.returncode != 0 or not out_file.exists():
         raise RuntimeError(f"engine driver failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
     got = json.loads(out_file.read_text())
-    assert got["before"] == want_old
+    log = (proc.stdout + proc.stderr)[-3000:]
+    assert got["before"] == want_old, log
     assert got["load"]["ok"], got["load"]
     assert got["after"] == want_new, "the engine serves a mix of the old and the new policy"
 
