@@ -127,6 +127,27 @@ class StubEngine:
             "policy_version": self.policy["version"],
         }
 
+    def codraft_prepare_draft(self, path: str, version: int, sha256: str | None = None) -> dict:
+        """First half of a swap (server.draft_swap): checks that need no reading, a ticket."""
+        if version <= self.current["version"]:
+            return _refuse(409, f"draft version {version} is not newer than the serving version "
+                           f"{self.current['version']}")  # fmt: skip
+        if not os.path.isdir(path):
+            return _refuse(404, f"{path} does not exist")
+        self.staged = {"ticket": f"t{version}", "path": path, "version": version, "sha256": sha256}
+        return {"ok": True, "ticket": self.staged["ticket"], "version": version, "ready": False}
+
+    def codraft_commit_draft(self, ticket: str) -> dict[str, Any]:
+        """Second half: the reading and checksum (here, not in a thread), then the install."""
+        st = getattr(self, "staged", None)
+        if st is None or st["ticket"] != ticket:
+            return _refuse(409, f"ticket {ticket!r} is not the latest prepared draft")
+        self.staged = None
+        reply = self.codraft_load_draft(st["path"], st["version"], st["sha256"])
+        if reply.get("ok"):
+            reply.update(ready=True, timing_ms={"prepare_ms": 0.0, "install_ms": 0.0})
+        return reply
+
     def codraft_load_draft(self, path: str, version: int, sha256: str | None = None) -> dict:
         if version <= self.current["version"]:
             return _refuse(409, f"draft version {version} is not newer than the serving version "
@@ -330,7 +351,7 @@ def test_every_route_with_typed_answers(server: ThreadServer, engine: StubEngine
         assert m["codraft_draft_version"] == 0 and m["codraft_policy_version"] == 3
         assert m['codraft_draft_acceptance_length{version="0"}'] == 2.2
         assert m["codraft_tap_messages_sent_total"] == 7
-    assert engine.calls["codraft_load_draft"] == 1
+    assert engine.calls["codraft_prepare_draft"] == engine.calls["codraft_commit_draft"] == 1
 
 
 def test_auth_header_from_argument_or_environment(server, engine, monkeypatch):
@@ -395,7 +416,7 @@ def test_get_retries_on_5xx_post_never(server, engine):
         assert transport.sent.count("GET /v1/draft") == 3 + 4
 
         transport.sent.clear()
-        engine.fail["codraft_load_draft"] = 1
+        engine.fail["codraft_prepare_draft"] = 1
         with pytest.raises(CodraftHTTPError, match="injected failure") as e:
             c.load_draft(1, "/p")
         assert e.value.status == 502 and transport.sent == ["POST /v1/draft"]
@@ -473,9 +494,13 @@ def test_async_client_matches_the_sync_one(server, engine, tmp_path):
                     out.append((type(e), e.status, e.message))
             return out
 
-    first = script_sync()
+    def untimed(results: list) -> list:  # a swap's timing_ms differs from run to run
+        return [r.model_copy(update={"timing_ms": None}) if hasattr(r, "timing_ms") else r
+                for r in results]  # fmt: skip
+
+    first = untimed(script_sync())
     engine.__init__()  # same starting state
-    second = asyncio.run(script_async())
+    second = untimed(asyncio.run(script_async()))
     assert first == second and len(first) == 11
     assert first[-2][:2] == (NotNewer, 409)
 
@@ -487,7 +512,7 @@ def test_async_client_matches_the_sync_one(server, engine, tmp_path):
         async with AsyncCodraftClient(server.url, TOKEN, retry=FAST, transport=transport) as c:
             engine.fail["codraft_stats"] = 1
             await c.draft()
-            engine.fail["codraft_load_draft"] = 1
+            engine.fail["codraft_prepare_draft"] = 1
             with pytest.raises(CodraftHTTPError) as e:
                 await c.load_draft(9, "/p")
             return transport.sent, e.value.status

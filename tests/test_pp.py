@@ -440,7 +440,10 @@ def test_planted_slot_bug_is_caught(world: int, request: pytest.FixtureRequest) 
     assert "error" in no_header or no_header["taps_diff"] > 1e-3, no_header
     with_header = last[True]
     assert "error" in with_header, with_header
-    assert "expected put #0" in with_header["error"], with_header["error"]
+    # Caught either way, depending on timing: the mismatched header arrives ("expected put #0"),
+    # or, on a loaded machine, the 1 s timeout fires first, naming the slot it waited on.
+    err = with_header["error"]
+    assert "expected put #0" in err or ("TapChannelTimeout" in err and "landing slot" in err), err
 
 
 @pytest.mark.parametrize("world", [2, 4])

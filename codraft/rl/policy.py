@@ -11,6 +11,7 @@ none) plus that folder's config and tokenizer files: the layout `POST /v1/policy
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,13 +58,21 @@ class UpdateStats:
     entropies: list[list[float]]  # the policy's entropy at each of those positions
 
 
+# transformers' from_pretrained disables weight init and tying by patching PreTrainedModel and
+# torch.nn.init for the duration of the call, which is not thread-safe: two loads in parallel
+# threads (arms run side by side) can leave the patches in place for the whole process, and
+# every later model then comes up uninitialised and untied. Loads go one at a time.
+_LOAD_LOCK = threading.Lock()
+
+
 class Policy:
     def __init__(self, model_dir: str | Path, cfg: PolicyConfig = PolicyConfig()) -> None:
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
         self.base = Path(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(str(self.base), dtype=torch.float32)
+        with _LOAD_LOCK:
+            self.model = AutoModelForCausalLM.from_pretrained(str(self.base), dtype=torch.float32)
         self.model.config.use_cache = False
         self.names = self._served_names()
         params = self._trainable()
