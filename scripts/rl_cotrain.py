@@ -88,6 +88,12 @@ class RLConfig:
     concurrent_arms: bool = False  # run the arms side by side (smoke tests; skews timings)
 
 
+def _dumps(obj: object, indent: int) -> str:
+    """JSON with paths under the working directory written relative to it, so records can be
+    kept and compared across machines."""
+    return json.dumps(obj, indent=indent).replace(json.dumps(str(Path.cwd()) + "/")[1:-1], "")
+
+
 def find_frozen_draft(given: str | None) -> Path:
     if given:
         return Path(given).resolve()
@@ -266,13 +272,13 @@ def run_arm(arm: str, cfg: RLConfig, model: Path, draft: Path, out: Path) -> lis
                 f"{f'{dist.mean_z:.3f}+-{dist.std_err:.3f}' if dist else '-'}",
                 flush=True,
             )
-            (out / f"{arm}.json").write_text(json.dumps(record, indent=1))
+            (out / f"{arm}.json").write_text(_dumps(record, indent=1))
         record["final_probe"] = probe(server, policy, probes, cfg)
         record["final_draft"] = server.draft()
     finally:
         server.stop()
         record["wall_s"] = time.perf_counter() - t_start
-        (out / f"{arm}.json").write_text(json.dumps(record, indent=1))
+        (out / f"{arm}.json").write_text(_dumps(record, indent=1))
         if not cfg.save_policies:
             shutil.rmtree(work / "policies", ignore_errors=True)
     return steps
@@ -338,7 +344,7 @@ def summarize(out: Path, arms: list[str]) -> dict:
             s = arms_s[a]
             s["last_within_10pct_of_best"] = s["acceptance_last"] >= 0.9 * s["acceptance_best"]
             s["fell"] = s["acceptance_last"] < s["acceptance_first"]
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.json").write_text(_dumps(summary, indent=2))
     plot_arms({a: r["steps"] for a, r in runs.items()}, out / "rl_cotrain.png",
               f"GRPO on {Path(next(iter(runs.values()))['config']['model']).name}: "
               "acceptance, rollout time, reward per RL step")  # fmt: skip
