@@ -50,7 +50,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tapchannel import connect_p2p, make_batch, random_stage  # noqa: E402
+from bench_tapchannel import (  # noqa: E402
+    add_target_arguments,
+    connect_p2p,
+    make_batch,
+    random_stage,
+)
 
 from codraft.draft.init import new_draft  # noqa: E402
 from codraft.models.config import TargetConfig, default_tap_layers  # noqa: E402
@@ -72,13 +77,7 @@ GOAL_SPEEDUP = 4.0  # host staging / TapChannel, time to move one step's taps
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--intermediate", type=int, default=14336)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--tokens", type=int, default=16384, help="tokens per batch")
+    add_target_arguments(p)
     p.add_argument("--docs", type=int, default=32, help="documents per batch")
     p.add_argument("--microbatches", default="4,8,16", help="microbatch counts, comma-separated")
     p.add_argument("--draft-vocab", type=int, default=TrainConfig.draft_vocab_size)

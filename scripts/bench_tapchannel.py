@@ -40,8 +40,8 @@ from learner.parallel.stage import TargetStage, split_layers
 from learner.parallel.tapchannel import TapChannelConfig
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_target_arguments(p: argparse.ArgumentParser) -> None:
+    """The random target's shape (8B-class by default) and the batch size in tokens."""
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
@@ -49,6 +49,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--tokens", type=int, default=16384, help="tokens per batch")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_target_arguments(p)
     p.add_argument("--docs", type=int, default=16, help="documents per batch")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--slots", type=int, default=2, help="TapChannel landing slots per source")
