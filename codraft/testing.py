@@ -352,3 +352,16 @@ def make_agreeing_draft(target: Path, out: Path, *, misplace: bool = False) -> P
         sd["fc.weight"][0, 0] = 1.0
         sd["lm_head.weight"][draft_id - 1 if misplace else draft_id, 0] = 10.0
     return save_draft(out, model, DraftMeta(version=1))
+
+
+def greedy_reference(target: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """`n` greedy tokens per prompt from codraft's own target model (a full forward per token:
+    the independent reference a serving engine's greedy output is compared with)."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            seq = list(p)
+            for _ in range(n):
+                seq.append(int(target(torch.tensor([seq])).logits[0, -1].argmax()))
+            out.append(seq[len(p) :])
+    return out

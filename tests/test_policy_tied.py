@@ -24,21 +24,11 @@ REPO = Path(__file__).resolve().parents[1]
 N = 16  # greedy tokens per prompt
 
 
-def _greedy(target, prompts: list[list[int]], n: int) -> list[list[int]]:
-    out = []
-    for p in prompts:
-        seq = list(p)
-        for _ in range(n):
-            seq.append(int(target(torch.tensor([seq])).logits[0, -1].argmax()))
-        out.append(seq[len(p) :])
-    return out
-
-
 @pytest.mark.vllm
 def test_policy_reload_keeps_a_tied_head_tied(tmp_path: Path) -> None:
     from codraft.draft.init import write_new_draft
     from codraft.models.llama import load_target
-    from codraft.testing import make_tiny_target
+    from codraft.testing import greedy_reference, make_tiny_target
     from server.vllm_env import preload_env
 
     old = make_tiny_target(tmp_path / "old", tie_word_embeddings=True, seed=3)
@@ -46,8 +36,8 @@ def test_policy_reload_keeps_a_tied_head_tied(tmp_path: Path) -> None:
     draft = write_new_draft(tmp_path / "draft", old, draft_vocab_size=64)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 9, 13)]
-    want_old = _greedy(load_target(old), prompts, N)
-    want_new = _greedy(load_target(new), prompts, N)
+    want_old = greedy_reference(load_target(old), prompts, N)
+    want_new = greedy_reference(load_target(new), prompts, N)
     assert want_old != want_new, "the two policies agree: the test could not fail"
 
     plan = {"old": str(old), "new": str(new), "draft": str(draft), "prompts": prompts}

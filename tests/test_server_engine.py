@@ -60,17 +60,6 @@ def _params(t0: int) -> list[dict]:
     ]
 
 
-def _greedy_reference(target, prompts: list[list[int]], n: int) -> list[list[int]]:
-    out = []
-    for p in prompts:
-        seq = list(p)
-        for _ in range(n):
-            logits = target(torch.tensor([seq])).logits
-            seq.append(int(logits[0, -1].argmax()))
-        out.append(seq[len(p) :])
-    return out
-
-
 def _random_draft(target: Path, out: Path, version: int, **kw) -> Path:
     from codraft.draft.init import write_new_draft
 
@@ -170,7 +159,12 @@ def run(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Engin
     import zmq
 
     from codraft.models.llama import load_target
-    from codraft.testing import make_agreeing_draft, make_constant_target, make_tiny_target
+    from codraft.testing import (
+        greedy_reference,
+        make_agreeing_draft,
+        make_constant_target,
+        make_tiny_target,
+    )
     from server.vllm_env import preload_env
 
     tmp = tmp_path_factory.mktemp("engine")
@@ -180,7 +174,7 @@ def run(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Engin
     ref = load_target(target1)
     vocab = ref.config.vocab_size
     prompts = _prompts(vocab)
-    greedy = _greedy_reference(ref, prompts[:4], 24)
+    greedy = greedy_reference(ref, prompts[:4], 24)
     common = Counter(t for seq in greedy for t in seq if t <= vocab - DV).most_common(1)
     t0 = common[0][0]
 
