@@ -713,14 +713,23 @@ def test_publisher_never_blocks_and_counts_drops() -> None:
 
 def test_publisher_delivers_frames_the_learner_decodes() -> None:
     import zmq
+    from zmq.utils.monitor import recv_monitor_message
 
     from codraft.tap import decode
     from server.publisher import TapPublisher
 
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVTIMEO, 10_000)  # fail, never hang
+    monitor = pull.get_monitor_socket(zmq.EVENT_ACCEPTED)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     pub = TapPublisher(f"tcp://127.0.0.1:{port}")
+    # The publisher drops what it cannot hand to a connected peer (IMMEDIATE): wait until the
+    # connection is up, or the first message races it.
+    assert monitor.poll(10_000), "the publisher never connected"
+    recv_monitor_message(monitor)
+    pull.disable_monitor()
+    monitor.close(linger=0)
     sent = [_message(n) for n in (5, 50, 500)]
     for m in sent:
         assert pub.put(m)
