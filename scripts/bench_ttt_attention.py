@@ -4,8 +4,9 @@ Methods, all computing the same K-pass TTT attention over a packed batch of unev
 
 * ``ttt_pass``    what the trainer runs: K sequential calls of
                   learner.attention.pass_attention.pass_attention (one flash trunk call and a
-                  branch per pass, merged by lse in one autograd Function; the branch's row
-                  kernels are compiled on CUDA);
+                  branch per pass, merged by lse in one autograd Function; on CUDA the branch
+                  rows run as the Triton kernels of learner.attention.branch_triton);
+* ``ttt_pass_compile`` the same with the branch rows compiled by torch.compile instead;
 * ``ttt_pass_eager`` the same with the branch rows run as eager PyTorch ops;
 * ``branch``      learner.attention.branch_attention (flash trunk + [K, T, H, K-1] branch);
 * ``sdpa_dense``  F.scaled_dot_product_attention over all passes' keys with a materialised
@@ -27,6 +28,7 @@ checks that every method agrees with ``branch``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -88,13 +90,6 @@ def _methods(
         ks, vs = list(k.unbind(0)), list(v.unbind(0))
         return [pass_attention(q[p], ks[: p + 1], vs[: p + 1], cu) for p in range(passes)]
 
-    def ttt_pass_eager(q, k, v):  # the same with the branch's row kernels left uncompiled
-        os.environ["CODRAFT_COMPILE_BRANCH"] = "0"
-        try:
-            return ttt_pass(q, k, v)
-        finally:
-            os.environ.pop("CODRAFT_COMPILE_BRANCH")
-
     def k_flash(q, k, v):  # per-pass outputs as the trainer keeps them (no stacked copy)
         return [block_attention(q[p], k[0], v[0], cu, cu, causal=True)[0] for p in range(passes)]
 
@@ -136,12 +131,37 @@ def _methods(
 
     return {
         "ttt_pass": ttt_pass,
-        "ttt_pass_eager": ttt_pass_eager,
+        "ttt_pass_compile": ttt_pass,  # row kernels chosen by BRANCH_KERNEL (forward + backward)
+        "ttt_pass_eager": ttt_pass,
         "branch": branch,
         "sdpa_dense": sdpa_dense,
         "flex": flex,
         "k_flash": k_flash,
     }
+
+
+# CODRAFT_BRANCH_KERNEL while a method runs (its forward AND its backward).
+BRANCH_KERNEL = {"ttt_pass": "auto", "ttt_pass_compile": "compile", "ttt_pass_eager": "eager"}
+
+
+@contextlib.contextmanager
+def _branch_kernel(method: str):
+    old = os.environ.get("CODRAFT_BRANCH_KERNEL")
+    os.environ["CODRAFT_BRANCH_KERNEL"] = BRANCH_KERNEL.get(method, "auto")
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CODRAFT_BRANCH_KERNEL")
+        else:
+            os.environ["CODRAFT_BRANCH_KERNEL"] = old
+
+
+def _grad_err(fn, ref_grads, q, k, v, g) -> float:
+    """Max abs difference of the q/k/v gradients from the reference method's."""
+    xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    grads = torch.autograd.grad(_outputs(fn(*xs)), xs, list(g.unbind(0)))
+    return max((a.float() - b).abs().max().item() for a, b in zip(grads, ref_grads, strict=True))
 
 
 def _sync(device: torch.device) -> None:
@@ -189,6 +209,20 @@ def _measure(
     return seconds, peak, saved
 
 
+def _profile(fn, q, k, v, g, out: Path, name: str, tokens: int, passes: int) -> None:
+    """One forward + backward under torch.profiler: the kernel table, next to the JSON."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if q.is_cuda else [])
+    with profile(activities=acts) as prof:
+        _measure(fn, q, k, v, g, 1, q.device)
+    key = "cuda_time_total" if q.is_cuda else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
+    path = out.with_name(f"{out.stem}.{name}.{tokens}.{passes}.prof.txt")
+    path.write_text(table)
+    print(table, flush=True)
+
+
 def _emit(records: list[dict], rec: dict, out: Path) -> None:
     """Keep a record, print it, and rewrite the JSON (partial results survive a kill)."""
     records.append(rec)
@@ -214,6 +248,12 @@ def run(args: argparse.Namespace) -> list[dict]:
             methods = _methods(passes, lengths, device, compile_flex=device.type == "cuda")
             with torch.no_grad():
                 expected = torch.stack(_outputs(methods["branch"](q, k, v))).float()
+            ref_grads = None
+            if args.check_grads:
+                xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+                ref = _outputs(methods["branch"](*xs))
+                ref_grads = [x.float() for x in torch.autograd.grad(ref, xs, list(g.unbind(0)))]
+                del xs, ref
             for name in args.methods:
                 rec = {"method": name, "tokens": tokens, "passes": passes, "docs": len(lengths)}
                 rec.update(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
@@ -222,15 +262,25 @@ def run(args: argparse.Namespace) -> list[dict]:
                     _emit(records, rec, args.out)
                     continue
                 try:
-                    with torch.no_grad():
+                    with torch.no_grad(), _branch_kernel(name):
                         got = torch.stack(
                             _outputs(methods[name](q.detach(), k.detach(), v.detach()))
                         )
                     # k_flash has no branch: only pass 0 (trunk alone) must agree
                     n = 1 if name == "k_flash" else passes
                     rec["max_err"] = (got[:n].float() - expected[:n]).abs().max().item()
-                    seconds, peak, saved = _measure(methods[name], q, k, v, g, args.repeats, device)
+                    del got
+                    if ref_grads is not None and name in BRANCH_KERNEL:
+                        with _branch_kernel(name):
+                            rec["max_grad_err"] = _grad_err(methods[name], ref_grads, q, k, v, g)
+                    with _branch_kernel(name):
+                        seconds, peak, saved = _measure(
+                            methods[name], q, k, v, g, args.repeats, device
+                        )
                     rec.update(status="ok", ms=1e3 * seconds, peak_mib=peak, saved_mib=saved)
+                    if args.profile:
+                        with _branch_kernel(name):
+                            _profile(methods[name], q, k, v, g, args.out, name, tokens, passes)
                 except NotImplementedError as e:  # e.g. flex_attention has no CPU backward
                     rec["status"] = f"unsupported: {str(e).splitlines()[0]}"
                 except torch.OutOfMemoryError:
@@ -288,11 +338,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dense-limit", type=float, default=2.0**33, help="max dense mask elements")
     ap.add_argument("--out", type=Path, default=Path("bench_ttt_attention.json"))
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU in fp32")
+    ap.add_argument("--profile", action="store_true", help="write a kernel table per method")
+    ap.add_argument(
+        "--check-grads",
+        action="store_true",
+        help="also compare the ttt_pass* methods' q/k/v gradients with branch's (max_grad_err)",
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         args.tokens, args.passes, args.doc_len, args.repeats = [128, 256], [3], 48, 1
         args.heads, args.kv_heads, args.head_dim = 4, 2, 16
-        args.device, args.dtype = "cpu", "fp32"
+        args.device, args.dtype, args.check_grads = "cpu", "fp32", True
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     records = run(args)
@@ -301,6 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         bad = [r for r in records if "max_err" not in r or not math.isfinite(r["max_err"])]
         bad += [r for r in records if r.get("max_err", 0.0) > 1e-4]
+        bad += [r for r in records if r.get("max_grad_err", 0.0) > 1e-4]
         if bad:
             raise SystemExit(f"smoke failed: {bad}")
 

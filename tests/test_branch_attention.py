@@ -435,14 +435,14 @@ def test_cuda_branch_matches_dense(dtype):
 
 
 @cuda
-@pytest.mark.parametrize("compiled", ["1", "0"], ids=["compiled", "eager"])
+@pytest.mark.parametrize("kernel", ["triton", "compile", "eager"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_pass_attention_matches_dense(dtype, compiled, monkeypatch):
-    """The trainer's per-pass op on CUDA (branch rows compiled or eager), every pass of a
-    4-pass TTT step, against the dense fp64 reference on CPU."""
+def test_cuda_pass_attention_matches_dense(dtype, kernel, monkeypatch):
+    """The trainer's per-pass op on CUDA (branch rows as Triton kernels, compiled or eager),
+    every pass of a 4-pass TTT step, against the dense fp64 reference on CPU."""
     from learner.attention.pass_attention import pass_attention
 
-    monkeypatch.setenv("CODRAFT_COMPILE_BRANCH", compiled)
+    monkeypatch.setenv("CODRAFT_BRANCH_KERNEL", kernel)
     gen = torch.Generator().manual_seed(13)
     dev, n = torch.device("cuda"), 4
     cu = _cu(CUDA_LENS)

@@ -12,7 +12,10 @@ Every row is independent. The arithmetic lives in two row functions, :func:`merg
 :func:`grad_rows` (backward against the JOINT out/lse). On CUDA they run compiled
 (``torch.compile``: each becomes a few fused kernels that read q, dout and the branch keys once
 per row, with no fp32 ``[T, Hq, D]`` temporaries per key); elsewhere, or with
-``CODRAFT_COMPILE_BRANCH=0``, they run eagerly. Both directions go in chunks of :data:`CHUNK`
+``CODRAFT_COMPILE_BRANCH=0``, they run eagerly. Where they apply (CUDA, fp16/bf16/fp32, up to 7
+branch keys) the hand-written Triton kernels of :mod:`learner.attention.branch_triton` take
+their place: one read of every tensor, the GQA group in one tile (``CODRAFT_BRANCH_KERNEL``
+picks explicitly). Both directions go in chunks of :data:`CHUNK`
 rows, so temporaries stay ``O(CHUNK * Hq * D)`` whatever T is (docs/context_parallel.md).
 """
 
@@ -24,6 +27,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+
+from learner.attention import branch_triton
 
 CHUNK = 8192  # rows per chunk (eager); compiled kernels take GPU_CHUNK rows
 GPU_CHUNK = 65536
@@ -117,8 +122,27 @@ def grad_rows(
     return dqg.view(r, hq, d).to(dq.dtype), dks, dvs
 
 
-def _use_compiled(x: Tensor) -> bool:
-    return x.is_cuda and os.environ.get("CODRAFT_COMPILE_BRANCH", "1") != "0"
+def _mode(x: Tensor, n_branch: int) -> str:
+    """Which row kernels run: ``CODRAFT_BRANCH_KERNEL`` = triton | compile | eager | auto
+    (default; ``CODRAFT_COMPILE_BRANCH=0`` still means eager). auto: the Triton kernels of
+    :mod:`learner.attention.branch_triton` where they apply, compiled rows on other CUDA
+    calls (fp64, more than 7 branch keys), eager rows on CPU."""
+    if os.environ.get("CODRAFT_COMPILE_BRANCH", "1") == "0":
+        return "eager"
+    want = os.environ.get("CODRAFT_BRANCH_KERNEL", "auto")
+    if want not in ("auto", "triton", "compile", "eager"):
+        raise ValueError(f"CODRAFT_BRANCH_KERNEL must be auto/triton/compile/eager, got {want!r}")
+    if want == "eager" or (want == "compile" and not x.is_cuda):
+        return "eager"
+    if want in ("auto", "triton") and branch_triton.usable(x, n_branch):
+        return "triton"
+    if want == "triton":
+        raise ValueError(
+            "CODRAFT_BRANCH_KERNEL=triton, but the Triton branch kernels cannot take this call "
+            f"(device {x.device}, dtype {x.dtype}, {n_branch} branch keys; they need triton, a "
+            f"CUDA tensor, fp16/bf16/fp32 and 1..{branch_triton.MAX_BRANCH} keys)"
+        )
+    return "compile" if x.is_cuda else "eager"
 
 
 # One compiled graph per number of branch keys (1..7) and input layout, for each function.
@@ -135,10 +159,18 @@ def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
-def _kernels(x: Tensor) -> tuple[Callable, Callable, int]:
-    if _use_compiled(x):
+def _kernels(mode: str) -> tuple[Callable, Callable, int]:
+    if mode == "compile":
         return _compiled(merge_rows), _compiled(grad_rows), GPU_CHUNK
     return merge_rows, grad_rows, CHUNK
+
+
+def _one_layout(kb: Sequence[Tensor], vb: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    """The branch keys/values in one shared layout (what the Triton kernels index with)."""
+    ref = kb[0].stride()
+    if all(x.stride() == ref for x in (*kb, *vb)) and ref[-1] == 1:
+        return list(kb), list(vb)
+    return [k.contiguous() for k in kb], [v.contiguous() for v in vb]
 
 
 def branch_merge_into(
@@ -146,7 +178,11 @@ def branch_merge_into(
 ) -> None:
     """Merge the branch's attention into the accumulators ``out`` ``[T, Hq, D]`` and ``lse``
     ``[T, Hq]`` (fp32, or fp64 for fp64 inputs), in place, chunk by chunk."""
-    merge, _, chunk = _kernels(q)
+    mode = _mode(q, len(kb))
+    if mode == "triton":
+        branch_triton.merge(out, lse, q, *_one_layout(kb, vb), scale, out=out, lse=lse)
+        return
+    merge, _, chunk = _kernels(mode)
     for r0 in range(0, q.shape[0], chunk):
         r1 = min(r0 + chunk, q.shape[0])
         o, lo = merge(out[r0:r1], lse[r0:r1], q[r0:r1], _rows(kb, r0, r1), _rows(vb, r0, r1), scale)
@@ -164,9 +200,12 @@ def branch_merge(
 ) -> tuple[Tensor, Tensor]:
     """The trunk's ``(out_a [T, Hq, D], lse_a [T, Hq])`` merged with the branch: out in q's
     dtype, lse in the accumulation dtype."""
+    mode = _mode(q, len(kb))
+    if mode == "triton":
+        return branch_triton.merge(out_a, lse_a, q, *_one_layout(kb, vb), scale)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=_acc(q.dtype), device=q.device)
-    merge, _, chunk = _kernels(q)
+    merge, _, chunk = _kernels(mode)
     for r0 in range(0, q.shape[0], chunk):
         r1 = min(r0 + chunk, q.shape[0])
         o, lo = merge(
@@ -205,7 +244,10 @@ def branch_backward_into(
     dtype; the sum is taken in fp32/fp64 and rounded once). Returns ``(dk list, dv list)``,
     each ``[T, Hkv, D]`` in the dtype of ``kb[0]``.
     """
-    _, grad, chunk = _kernels(q)
+    mode = _mode(q, len(kb))
+    if mode == "triton":
+        return branch_triton.grad(dq, dout, q, *_one_layout(kb, vb), out, lse, scale)
+    _, grad, chunk = _kernels(mode)
     dks = [torch.empty_like(k) for k in kb]
     dvs = [torch.empty_like(v) for v in vb]
     for r0 in range(0, q.shape[0], chunk):
