@@ -28,6 +28,15 @@ times the tap transfer alone (one step's taps moved with nothing else running).
     PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_pp_train.py --out runs/pp_train_pp2.json
     PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_pp_train.py --smoke   # CPU, gloo, tiny
 
+On a host with fewer GPUs than ranks (or with --share-gpu) the ranks share the GPU(s): every
+process group is gloo and every transfer of a CUDA tensor (activations, taps, credits, the
+script's all-reduces) is staged through host memory (`learner.parallel.host_staged`). That runs
+the PP pipeline and all its checks on one GPU, but its times are not NCCL figures: the JSON's
+"transport" says which transport ran, and the output says so too.
+
+    PYTHONPATH=. torchrun --standalone --nproc-per-node 2 scripts/bench_pp_train.py --smoke \
+        --device cuda   # one GPU, shared by both stages
+
 Needs torch only (matplotlib for the PNG, when installed). Writes the JSON after every
 microbatch count; exits 1 when a non-interference check fails.
 """
@@ -59,6 +68,7 @@ from bench_tapchannel import (  # noqa: E402
 
 from codraft.draft.init import new_draft  # noqa: E402
 from codraft.models.config import TargetConfig, default_tap_layers  # noqa: E402
+from learner.parallel import host_staged  # noqa: E402
 from learner.parallel.draft_stage import DraftStage, DraftStepResult  # noqa: E402
 from learner.parallel.launch import ParallelConfig, init_distributed, shutdown  # noqa: E402
 from learner.parallel.microbatch import split_batch  # noqa: E402
@@ -88,6 +98,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--device", default="auto", choices=("auto", "cpu", "cuda"),
         help="auto: cuda:LOCAL_RANK when CUDA is there (cpu with --smoke), else cpu",
+    )  # fmt: skip
+    p.add_argument(
+        "--share-gpu", action="store_true",
+        help="ranks share the GPU(s): gloo, transfers staged through host memory (automatic with "
+        "more ranks than GPUs); with --device cpu, CPU tensors are staged too (tests that path). "
+        "Times are then not NCCL figures",
     )  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="tiny model, few steps (CPU by default)")
     p.add_argument("--out", default=None, help="JSON file (a PNG is written next to it)")
@@ -275,7 +291,7 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
     dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    host_staged.all_reduce(dt, op=dist.ReduceOp.MAX)
     return float(dt)
 
 
@@ -295,7 +311,7 @@ def equal(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> bool:
 
 def all_ranks(ok: bool, device: torch.device) -> bool:
     t = torch.tensor([int(ok)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    host_staged.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
 
 
@@ -309,7 +325,10 @@ class Bench:
         self.a = a
         world = int(os.environ.get("WORLD_SIZE", "1"))  # every rank a stage of one pipeline
         device = "cpu" if a.device == "cpu" else "auto"  # auto: cuda:LOCAL_RANK
-        self.mesh, self.device = init_distributed(ParallelConfig(pp=world, device=device))
+        share = True if a.share_gpu else None  # None: share when ranks outnumber the GPUs
+        self.mesh, self.device = init_distributed(
+            ParallelConfig(pp=world, device=device, share_gpu=share)
+        )
         if a.device == "cuda" and self.device.type != "cuda":
             raise SystemExit("--device cuda, but CUDA is not available")
         self.dtype = getattr(torch, a.dtype)
@@ -487,6 +506,32 @@ class Bench:
             "identical": check,
         }
 
+    # -------------------------------------------------------------- how ranks talk
+    def transport(self) -> dict[str, Any]:
+        """Which transport ran: times count as NCCL figures only when `mode` is "nccl"."""
+        backend, world = dist.get_backend(), dist.get_world_size()
+        gpus = torch.cuda.device_count() if self.device.type == "cuda" else 0
+        staged = host_staged.enabled()
+        if staged and self.device.type == "cuda":
+            mode = "shared_gpu_host_staged_gloo"
+            note = (
+                f"{world} ranks share {min(gpus, world)} GPU(s) (time-sliced); gloo process "
+                "groups; every transfer of a CUDA tensor (activations, taps, credits) staged "
+                "through host memory: these times are NOT NCCL figures, only the checks count"
+            )
+        elif staged:
+            mode = "cpu_host_staged_gloo"
+            note = "CPU, gloo, every transfer staged through a host copy (the shared-GPU path)"
+        elif backend == "nccl":
+            mode, note = "nccl", f"{world} ranks, one GPU each, NCCL point-to-point"
+        else:
+            mode, note = backend, f"{world} ranks on {self.device.type}, {backend}"
+        return {
+            "mode": mode, "backend": backend, "host_staged": staged, "ranks": world,
+            "gpus": gpus, "nccl_figures": mode == "nccl", "note": note,
+            "staged_on_this_rank": host_staged.counts() if staged else None,
+        }  # fmt: skip
+
     # -------------------------------------------------------------- all counts
     def summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         a, g = self.a, self.groups
@@ -497,6 +542,7 @@ class Bench:
             "pp": g.num_stages,
             "device": str(self.device),
             "gpu": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
+            "transport": self.transport(),
             "target": {
                 "layers": a.layers, "hidden": a.hidden, "intermediate": a.intermediate,
                 "heads": a.heads, "kv_heads": a.kv_heads, "vocab": a.vocab, "dtype": a.dtype,
@@ -572,9 +618,10 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
         a.set_xticks(list(xs), labels)
         a.legend()
     t = summary["target"]
+    how = summary["transport"]
     fig.suptitle(
         f"PP {summary['pp']}, {t['layers']} layers, H {t['hidden']}, {summary['tokens']} tokens, "
-        f"{summary['device']}"
+        f"{summary['device']}" + ("" if how["nccl_figures"] else f" [{how['mode']}: not NCCL]")
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -586,6 +633,9 @@ def main() -> int:
     a = parse_args()
     bench = Bench(a)
     writer = dist.get_rank() == bench.groups.stage_ranks[-1]
+    how = bench.transport()
+    if writer:
+        print(f"transport: {how['mode']}: {how['note']}", flush=True)
     records: list[dict[str, Any]] = []
     for count in a.counts:
         records.append(bench.run_count(count))
@@ -602,6 +652,7 @@ def main() -> int:
         png = Path(a.out).with_suffix(".png")
         print(f"wrote {a.out}" + (f" and {png}" if plot(summary, png) else " (no matplotlib)"))
     if writer:
+        print(f"transport: {how['mode']}: {how['note']}")
         print("non-interference: " + ("identical in all modes" if ok else "FAILED"), flush=True)
     shutdown()
     return 0 if ok else 1

@@ -33,6 +33,7 @@ from codraft.models.config import TargetConfig, default_tap_layers
 from codraft.models.layers import RotaryEmbedding
 from codraft.models.llama import TargetModel
 from learner.data.packing import Sample, pack
+from learner.parallel import host_staged
 from learner.parallel.launch import ParallelConfig, init_distributed, shutdown
 from learner.parallel.pipeline import Pipeline, PipelineConfig
 from learner.parallel.pipeline_mesh import PipelineGroups
@@ -97,16 +98,17 @@ def connect_p2p(groups: PipelineGroups, sources: Sequence[int], device: torch.de
     their first send/recv in a group (torch may first create a 2-rank communicator), blocking the
     host until the peer joins too: left to the first step, stage 0's first activation send and
     the last stage's first tap receive (posted before it waits for activations) could each wait
-    for the other (not yet seen on GPUs). Collective over the pipeline; costs nothing on gloo."""
+    for the other (not yet seen on GPUs). Collective over the pipeline; costs nothing on gloo.
+    Goes through `learner.parallel.host_staged` like the pipeline's own transfers."""
     ranks, last, me = groups.stage_ranks, groups.stage_ranks[-1], dist.get_rank()
     edges = [(groups.pp_group, a, b) for a, b in zip(ranks[:-1], ranks[1:], strict=True)]
     edges += [(groups.tap_group, s, last) for s in sources]
     edges += [(groups.credit_group, last, s) for s in sources]
     for group, src, dst in edges:
         if me == src:
-            dist.send(torch.zeros(1, device=device), dst=dst, group=group)
+            host_staged.send(torch.zeros(1, device=device), dst, group)
         elif me == dst:
-            dist.recv(torch.zeros(1, device=device), src=src, group=group)
+            host_staged.recv(torch.zeros(1, device=device), src, group)
     if device.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier()

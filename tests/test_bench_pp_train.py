@@ -1,6 +1,10 @@
 """`scripts/bench_pp_train.py --smoke` under torchrun, world 2 (gloo, CPU, tiny target): the
 benchmark of issue 10 runs all three modes (no taps, TapChannel, host staging) for two microbatch
-counts, and its non-interference check finds the pipeline's results bitwise identical in all."""
+counts, and its non-interference check finds the pipeline's results bitwise identical in all.
+
+The same run with `--share-gpu` forces the single-GPU mode's transport on CPU: every transfer
+(activations, taps, credits, the script's all-reduces) is staged through a host copy
+(`learner.parallel.host_staged`), and the JSON says the times are not NCCL figures."""
 
 from __future__ import annotations
 
@@ -10,17 +14,19 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("off", "tapchannel", "host")
 CHECKED = ("stage_activations", "last_hidden", "logits", "teacher_probs", "taps", "draft_loss")
 
 
-def test_bench_pp_train_smoke(tmp_path: Path) -> None:
+def _smoke(tmp_path: Path, *extra: str) -> tuple[str, dict[str, Any]]:
+    """Run the smoke benchmark; its stdout and JSON, after the checks every mode shares."""
     out = tmp_path / "smoke.json"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(ROOT / "scripts" / "bench_pp_train.py"), "--smoke", "--out", str(out),
+        str(ROOT / "scripts" / "bench_pp_train.py"), "--smoke", "--out", str(out), *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
@@ -48,5 +54,26 @@ def test_bench_pp_train_smoke(tmp_path: Path) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        return
+        return done.stdout, got
     assert out.with_suffix(".png").stat().st_size > 0
+    return done.stdout, got
+
+
+def test_bench_pp_train_smoke(tmp_path: Path) -> None:
+    stdout, got = _smoke(tmp_path)
+    how = got["transport"]
+    assert how["mode"] == "gloo" and how["backend"] == "gloo"
+    assert how["host_staged"] is False and how["staged_on_this_rank"] is None
+    assert "transport: gloo" in stdout
+
+
+def test_bench_pp_train_smoke_host_staged(tmp_path: Path) -> None:
+    """The single-GPU mode's transport, forced on CPU tensors: the same checks pass, and the
+    run says that its times are not NCCL figures."""
+    stdout, got = _smoke(tmp_path, "--share-gpu")
+    how = got["transport"]
+    assert how["mode"] == "cpu_host_staged_gloo" and how["backend"] == "gloo"
+    assert how["host_staged"] is True and how["nccl_figures"] is False
+    staged = how["staged_on_this_rank"]  # the last stage: activations in, taps in, credits out
+    assert staged["transfers"] > 0 and staged["bytes"] > 0
+    assert "transport: cpu_host_staged_gloo" in stdout

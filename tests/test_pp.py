@@ -7,7 +7,9 @@ single-process target's; the draft's loss, per-pass counts and gradients equal o
 over the whole batch; the pipeline's own activations and its transfers are identical with
 TapChannel on and off; a planted TapChannel bug (landing slot read off by one) is caught, by the
 data check without headers and by the header check with them; a source that stops sending gives
-a descriptive TapChannelTimeout on the receiver, not a hang.
+a descriptive TapChannelTimeout on the receiver, not a hang. PP = 2 once more with every transfer
+staged through a host copy (`learner.parallel.host_staged` forced on CPU tensors: the transport
+of ranks that share one GPU): the same equality, non-interference and timeout checks.
 """
 
 from __future__ import annotations
@@ -336,10 +338,16 @@ CASES = {
 }
 
 
-def world_cases(rank: int, world: int, target_dir: str, cases: list[str]) -> dict[str, Any]:
+def world_cases(
+    rank: int, world: int, target_dir: str, cases: list[str], staged: bool = False
+) -> dict[str, Any]:
     import torch.distributed as dist
 
     from codraft.models.llama import load_target
+    from learner.parallel import host_staged
+
+    if staged:  # the shared-GPU transport, on CPU tensors
+        host_staged.enable(stage_cpu=True)
 
     model = load_target(target_dir)
     model.default_taps = model.config.default_tap_layers()
@@ -352,6 +360,7 @@ def world_cases(rank: int, world: int, target_dir: str, cases: list[str]) -> dic
             results[name] = {"crash": traceback.format_exc()}
         results.setdefault("seconds", {})[name] = time.perf_counter() - t0
         dist.barrier()  # a rank that is done stays alive (and silent) until all are
+    results["staged"] = host_staged.counts() if staged else None
     return results
 
 
@@ -362,15 +371,24 @@ def six_layer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_target(tmp_path_factory.mktemp("six"), num_layers=6)
 
 
-def _run(world: int, target: Path, cases: list[str]) -> list[dict[str, Any]]:
+def _run(world: int, target: Path, cases: list[str], staged: bool = False) -> list[dict[str, Any]]:
     from learner.parallel.spawn import run_world
 
-    return run_world(world_cases, world, str(target), cases, timeout_s=120)
+    return run_world(world_cases, world, str(target), cases, staged, timeout_s=120)
 
 
 @pytest.fixture(scope="module")
 def world2(six_layer_dir: Path) -> list[dict[str, Any]]:
     return _run(2, six_layer_dir, ["equal", "interference", "mutation", "stops_sending"])
+
+
+@pytest.fixture(scope="module")
+def world2_staged(six_layer_dir: Path) -> list[dict[str, Any]]:
+    """PP 2 with every transfer staged through host copies (the shared-GPU transport)."""
+    results = _run(2, six_layer_dir, ["equal", "interference", "stops_sending"], staged=True)
+    for r in results:
+        assert r["staged"]["transfers"] > 0, "nothing went through learner.parallel.host_staged"
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -402,8 +420,8 @@ def _check_equal(per_m: dict[int, dict[str, Any]]) -> None:
     assert per_m[5]["pp"]["microbatches"] == 5
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_equals_single_process(world: int, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("world", ["2", "4", "2_staged"])
+def test_equals_single_process(world: str, request: pytest.FixtureRequest) -> None:
     results = request.getfixturevalue(f"world{world}")
     for r in results:
         _no_crash(r["equal"])
@@ -417,8 +435,8 @@ def test_equals_single_process_other_taps(world4: list[dict[str, Any]]) -> None:
     _check_equal(world4[-1]["equal_alt_taps"])
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_tapchannel_does_not_touch_the_pipeline(world: int, request: pytest.FixtureRequest):
+@pytest.mark.parametrize("world", ["2", "4", "2_staged"])
+def test_tapchannel_does_not_touch_the_pipeline(world: str, request: pytest.FixtureRequest):
     results = request.getfixturevalue(f"world{world}")
     for rank, r in enumerate(results):
         runs = r["interference"]
@@ -446,8 +464,8 @@ def test_planted_slot_bug_is_caught(world: int, request: pytest.FixtureRequest) 
     assert "expected put #0" in err or ("TapChannelTimeout" in err and "landing slot" in err), err
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_source_that_stops_sending_times_out(world: int, request: pytest.FixtureRequest):
+@pytest.mark.parametrize("world", ["2", "4", "2_staged"])
+def test_source_that_stops_sending_times_out(world: str, request: pytest.FixtureRequest):
     last = request.getfixturevalue(f"world{world}")[-1]["stops_sending"]
     _no_crash(last)
     assert last.get("error") == "TapChannelTimeout", last

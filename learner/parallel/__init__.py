@@ -18,6 +18,8 @@ Pipeline parallelism for target recompute (docs/pipeline.md):
 - :mod:`learner.parallel.tapchannel`: TapChannel, taps from earlier stages to the draft's stage.
 - :mod:`learner.parallel.pipeline_mesh`, :mod:`learner.parallel.pp_cp`: groups, and PP x CP.
 - :mod:`learner.parallel.draft_stage`: the TTT step on the last stage (learner.recompute runs it).
+- :mod:`learner.parallel.host_staged`: transfers staged through host memory over gloo, when
+  ranks share a GPU (single-GPU smoke runs; ``ParallelConfig.share_gpu``).
 
 Nothing is imported at package level, so importing one module never drags in the others.
 """

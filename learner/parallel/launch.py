@@ -5,6 +5,11 @@
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous variables; without them (a plain
 ``python`` start) the world is one process and no process group is created. NCCL on CUDA (one
 GPU per process, ``cuda:LOCAL_RANK``), gloo on CPU.
+
+Sharing GPUs (``ParallelConfig.share_gpu``, for smoke runs of multi-rank code on one GPU: NCCL
+refuses two ranks on one GPU): rank ``r`` of a host uses ``cuda:r % GPUs``, every process group
+is gloo, and point-to-point transfers of CUDA tensors are staged through host memory
+(``learner.parallel.host_staged``). Slow, and not a measure of NCCL; the numerics are the same.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from learner.data.packing import PackedBatch
+from learner.parallel import host_staged
 from learner.parallel.mesh import ParallelDims, ParallelMesh
 
 
@@ -30,6 +36,10 @@ class ParallelConfig:
     backend: str = "auto"  # "auto": nccl on CUDA, gloo on CPU
     device: str = "auto"  # "auto": cuda:LOCAL_RANK when CUDA is available, else cpu
     timeout_s: float = 600.0
+    # The ranks of a host share its GPUs: gloo, transfers staged through host memory (smoke runs
+    # on one GPU; not for timing). None: share when the host runs more ranks than it has GPUs.
+    # On CPU, True stages CPU tensors through host copies too: that path's test without a GPU.
+    share_gpu: bool | None = False
 
 
 def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,12 +55,47 @@ def config_from_args(args: argparse.Namespace) -> ParallelConfig:
     return ParallelConfig(cp=getattr(args, "cp", 1))
 
 
-def _device(cfg: ParallelConfig, local_rank: int) -> torch.device:
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _share_gpus(cfg: ParallelConfig, local_ranks: int) -> bool:
+    """Whether this job's ranks share GPUs (the same answer on every rank of a host)."""
+    gpus = _gpus()
+    if cfg.device != "auto" or not gpus:
+        return bool(cfg.share_gpu)  # a given device is used as is; on CPU True stages CPU tensors
+    if cfg.share_gpu is None:
+        return local_ranks > gpus
+    if not cfg.share_gpu and local_ranks > gpus:
+        raise RuntimeError(
+            f"{local_ranks} ranks on this host but {gpus} GPU(s): NCCL needs a GPU per rank. "
+            "Start at most one rank per GPU, or let the ranks share the GPUs "
+            "(ParallelConfig.share_gpu; --share-gpu in the benchmarks): gloo with transfers "
+            "staged through host memory, for smoke runs only"
+        )
+    return cfg.share_gpu
+
+
+def _device(cfg: ParallelConfig, local_rank: int, share: bool) -> torch.device:
     if cfg.device != "auto":
         return torch.device(cfg.device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank)
+    gpus = _gpus()
+    if gpus:
+        return torch.device("cuda", local_rank % gpus if share else local_rank)
     return torch.device("cpu")
+
+
+def _backend(cfg: ParallelConfig, device: torch.device, share: bool) -> str:
+    if share:
+        if cfg.backend not in ("auto", "gloo"):
+            raise ValueError(
+                f"ranks that share a GPU need the gloo backend (NCCL refuses two ranks on one "
+                f"GPU), got backend={cfg.backend!r}"
+            )
+        return "gloo"
+    if cfg.backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return cfg.backend
 
 
 def init_distributed(cfg: ParallelConfig | None = None) -> tuple[ParallelMesh, torch.device]:
@@ -61,7 +106,9 @@ def init_distributed(cfg: ParallelConfig | None = None) -> tuple[ParallelMesh, t
     cfg = cfg or ParallelConfig()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = _device(cfg, local_rank)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    share = world > 1 and _share_gpus(cfg, local_ranks)
+    device = _device(cfg, local_rank, share)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world == 1 and not dist.is_initialized():
@@ -72,14 +119,19 @@ def init_distributed(cfg: ParallelConfig | None = None) -> tuple[ParallelMesh, t
             )
         return ParallelMesh.single(), device
     if not dist.is_initialized():
-        backend = cfg.backend
-        if backend == "auto":
-            backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = _backend(cfg, device, share)
         dist.init_process_group(
             backend,
             timeout=timedelta(seconds=cfg.timeout_s),
-            device_id=device if device.type == "cuda" else None,
+            device_id=device if backend == "nccl" else None,  # gloo binds no GPU
         )
+    if share:
+        if dist.get_backend() != "gloo":
+            raise RuntimeError(
+                f"ranks that share a GPU need gloo process groups, but the default group was "
+                f"already initialized with {dist.get_backend()!r}"
+            )
+        host_staged.enable(stage_cpu=device.type == "cpu")
     dims = ParallelDims(dist.get_world_size(), cp=cfg.cp, pp=cfg.pp)
     return ParallelMesh.build(dims), device
 
@@ -87,6 +139,7 @@ def init_distributed(cfg: ParallelConfig | None = None) -> tuple[ParallelMesh, t
 def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    host_staged.disable()
 
 
 def my_batches(

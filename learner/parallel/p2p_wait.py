@@ -10,7 +10,8 @@ How to wait differs by backend, and the code stays device-agnostic by asking the
 
 * CPU tensors (gloo): a gloo receive makes progress only inside `Work.wait` (`is_completed()`
   stays False until someone waits), so the wait is `work.wait(timeout)`, whose timeout error is
-  re-raised as `PeerTimeout`.
+  re-raised as `PeerTimeout`. The same for a `StagedWork` (a device tensor's transfer staged
+  through host memory over gloo, `learner.parallel.host_staged`), whatever the tensor's device.
 * other devices (NCCL): `is_completed()` reports the request's CUDA event without blocking, so
   it is polled with a short back-off until the deadline; then `work.wait()` orders the current
   stream after the transfer.
@@ -24,6 +25,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from learner.parallel.host_staged import Request, StagedWork
 
 Describe = Callable[[], str]
 
@@ -61,7 +64,7 @@ def check_below_watchdog(timeout_s: float, group: dist.ProcessGroup | None, what
 
 
 def wait_work(
-    work: dist.Work | None, device: torch.device, timeout_s: float, describe: Describe
+    work: Request | None, device: torch.device, timeout_s: float, describe: Describe
 ) -> None:
     """Wait for `work` (from isend/irecv) at most timeout_s seconds.
 
@@ -70,7 +73,7 @@ def wait_work(
     """
     if work is None:
         return
-    if device.type == "cpu":
+    if device.type == "cpu" or isinstance(work, StagedWork):
         try:
             work.wait(timedelta(seconds=timeout_s))
         except RuntimeError as e:

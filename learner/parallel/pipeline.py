@@ -18,6 +18,10 @@ back until the previous stage has produced m+1. The last stage waits for m, post
 layers, takes the taps of m from TapChannel (they usually landed while it computed), calls the
 consumer, and releases the landing slots.
 
+Every transfer goes through `learner.parallel.host_staged`: plain isend/irecv (NCCL on GPUs,
+gloo on CPU), except when the ranks share a GPU (`ParallelConfig.share_gpu`, single-GPU smoke
+runs): then the groups are gloo and activations are staged through host memory.
+
 Why not torch.distributed.pipelining: it fixes every microbatch's shape from a first shape
 inference (a later step with other shapes breaks the transfer: on gloo in torch 2.13 a changed
 shape aborts the receiving process), it splits tensors along a dimension rather than at
@@ -34,10 +38,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from codraft.models.config import validate_tap_layers
 from learner.data.packing import PackedBatch
+from learner.parallel import host_staged
+from learner.parallel.host_staged import Request
 from learner.parallel.microbatch import split_batch
 from learner.parallel.p2p_wait import PeerTimeout, check_below_watchdog, wait_work
 from learner.parallel.pipeline_mesh import PipelineGroups
@@ -140,11 +145,11 @@ class Pipeline:
     def _post_recv(self, m: int, mb: PackedBatch, stats: PipelineStats):
         s = self.stage.index
         buf = torch.empty(mb.num_tokens, self.hidden, dtype=self.dtype, device=self.device)
-        work = dist.irecv(buf, src=self._rank(s - 1), group=self.groups.pp_group)
+        work = host_staged.irecv(buf, self._rank(s - 1), self.groups.pp_group)
         stats.trace.append(("recv", self._rank(s - 1), m, tuple(buf.shape)))
         return buf, work
 
-    def _wait(self, work: dist.Work | None, describe: Callable[[], str]) -> None:
+    def _wait(self, work: Request | None, describe: Callable[[], str]) -> None:
         try:
             wait_work(work, self.device, self.cfg.timeout_s, describe)
         except PeerTimeout as e:
@@ -215,7 +220,7 @@ class Pipeline:
         own_taps = self.per_stage[s]
         if last and self.channel is not None:
             self._expect_taps(micro)
-        sends: list[tuple[dist.Work | None, torch.Tensor, int]] = []
+        sends: list[tuple[Request | None, torch.Tensor, int]] = []
         recv = self._post_recv(*micro[0], stats) if micro and not first else None
         for j, (m, mb) in enumerate(micro):
             nxt = micro[j + 1] if j + 1 < len(micro) else None
@@ -236,7 +241,7 @@ class Pipeline:
             if self.observe is not None:
                 self.observe("act", m, h)
             if not last:
-                work = dist.isend(h, dst=self._rank(s + 1), group=self.groups.pp_group)
+                work = host_staged.isend(h, self._rank(s + 1), self.groups.pp_group)
                 sends.append((work, h, m))
                 stats.trace.append(("send", self._rank(s + 1), m, tuple(h.shape)))
                 if not first and nxt is not None:

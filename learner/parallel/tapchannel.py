@@ -30,7 +30,10 @@ Rules, each for a reason:
   element count) that `get` checks, so a schedule drift is an error, not silently wrong taps.
 
 The code is device-agnostic: CPU tensors go over gloo, CUDA tensors over NCCL p2p (on one host
-NCCL uses CUDA IPC / NVLink by itself; across hosts the network), with the same calls.
+NCCL uses CUDA IPC / NVLink by itself; across hosts the network), with the same calls. Ranks that
+share a GPU (`ParallelConfig.share_gpu`, single-GPU smoke runs) use gloo groups, and every put,
+header and credit of a CUDA tensor is staged through host memory (`learner.parallel.host_staged`,
+through which all transfers here go; unchanged calls when it is off).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from learner.parallel import host_staged
+from learner.parallel.host_staged import Request
 from learner.parallel.p2p_wait import PeerTimeout, check_below_watchdog, wait_work
 
 MAGIC = 0x436F5461  # "CoTa": first word of every put header
@@ -81,8 +86,8 @@ class TapChannelStats:
 class _Slot:
     buffer: torch.Tensor | None = None  # flat, grown to the largest put it has received
     header: torch.Tensor | None = None
-    work: dist.Work | None = None
-    header_work: dist.Work | None = None
+    work: Request | None = None
+    header_work: Request | None = None
     seq: int = -1  # put number posted into this slot
     microbatch: int = -1
     shape: tuple[int, ...] = ()
@@ -117,9 +122,9 @@ class _Ring:
 class _Outgoing:
     tensor: torch.Tensor
     header: torch.Tensor | None
-    works: list[dist.Work | None]
+    works: list[Request | None]
     credit: torch.Tensor
-    credit_work: dist.Work | None
+    credit_work: Request | None
     microbatch: int
 
 
@@ -161,7 +166,7 @@ class TapChannel:
         S = self.cfg.slots
         # receiver: one ring of landing slots per source (buffers are allocated when posted)
         self._rings = {s: _Ring([_Slot() for _ in range(S)]) for s in self.sources}
-        self._credits_out: deque[tuple[dist.Work | None, torch.Tensor]] = deque()
+        self._credits_out: deque[tuple[Request | None, torch.Tensor]] = deque()
         self._sent = 0
         self._outgoing: dict[int, _Outgoing] = {}  # put number -> what is still in flight
 
@@ -216,8 +221,8 @@ class TapChannel:
             if self.cfg.verify:
                 if slot.header is None:
                     slot.header = torch.empty(4, dtype=torch.int64, device=self.device)
-                slot.header_work = dist.irecv(slot.header, src=src, group=self.data_group)
-            slot.work = dist.irecv(slot.view(), src=src, group=self.data_group)
+                slot.header_work = host_staged.irecv(slot.header, src, self.data_group)
+            slot.work = host_staged.irecv(slot.view(), src, self.data_group)
             ring.tail = (ring.tail + 1) % self.cfg.slots
             ring.posted += 1
 
@@ -291,7 +296,7 @@ class TapChannel:
         ring.consumed += 1
         self._post_ready(src, ring)
         credit = torch.full((1,), n, dtype=torch.int64, device=self.device)
-        self._credits_out.append((dist.isend(credit, dst=src, group=self.credit_group), credit))
+        self._credits_out.append((host_staged.isend(credit, src, self.credit_group), credit))
         self._reap_credits(keep=self.cfg.slots * len(self.sources))
 
     def _reap_credits(self, keep: int) -> None:
@@ -328,16 +333,16 @@ class TapChannel:
             self._settle(n - S)
             self.stats.put_blocked_s += time.monotonic() - t0
         tensor = tensor.contiguous()
-        works: list[dist.Work | None] = []
+        works: list[Request | None] = []
         header = None
         if self.cfg.verify:
             header = torch.tensor(
                 [MAGIC, n, microbatch, tensor.numel()], dtype=torch.int64, device=self.device
             )
-            works.append(dist.isend(header, dst=self.receiver, group=self.data_group))
-        works.append(dist.isend(tensor, dst=self.receiver, group=self.data_group))
+            works.append(host_staged.isend(header, self.receiver, self.data_group))
+        works.append(host_staged.isend(tensor, self.receiver, self.data_group))
         credit = torch.empty(1, dtype=torch.int64, device=self.device)
-        credit_work = dist.irecv(credit, src=self.receiver, group=self.credit_group)
+        credit_work = host_staged.irecv(credit, self.receiver, self.credit_group)
         self._outgoing[n] = _Outgoing(tensor, header, works, credit, credit_work, microbatch)
         self._sent += 1
         self.stats.puts += 1
@@ -384,7 +389,7 @@ class TapChannel:
             if left:
                 raise TapChannelError(f"TapChannel closed with puts not taken: {left}")
 
-    def _wait(self, work: dist.Work | None, deadline: float, describe) -> None:
+    def _wait(self, work: Request | None, deadline: float, describe) -> None:
         try:
             wait_work(work, self.device, max(deadline - time.monotonic(), 1e-3), describe)
         except PeerTimeout as e:
