@@ -14,7 +14,9 @@ from learner.attention import block as block_mod
 from learner.attention import (
     block_attention,
     block_backward,
+    block_cuda,
     block_forward,
+    block_math,
     branch_attention,
     merge_lse,
 )
@@ -301,7 +303,7 @@ class _LargestTensor(TorchDispatchMode):
 
 @pytest.mark.parametrize("backend,t", [("cpu_flash", 2048), ("math", 512)])
 def test_branch_never_materialises_t_by_t(backend, t, monkeypatch):
-    monkeypatch.setattr(block_mod, "_MATH_CHUNK", 16)
+    monkeypatch.setattr(block_math, "_MATH_CHUNK", 16)
     cu = _cu([1, 3 * t // 4, t - 1 - 3 * t // 4])
     q = torch.randn(3, t, 2, 8, requires_grad=True)
     k = torch.randn(3, t, 1, 8, requires_grad=True)
@@ -391,7 +393,8 @@ def test_cuda_flash_block_matches_dense(k_lens, heads_per_call, monkeypatch):
     tq, tk = int(cu_q[-1]), int(cu_k[-1])
     if heads_per_call is not None:  # force the head-chunked path (8 query heads, 2 kv heads)
         rows = max(tq, tk) + 128 * len(CUDA_LENS)
-        monkeypatch.setattr(block_mod, "_FLASH_MAX_ELEMENTS", heads_per_call * rows * 64)
+        monkeypatch.setattr(block_cuda, "_FLASH_MAX_ELEMENTS", heads_per_call * rows * 64)
+        assert len(block_cuda._flash_head_chunks(rows, 8, 2, 64)) == 8 // heads_per_call
     q, g = (_randn(tq, 8, 64, dtype=dt, gen=gen).to(dev) for _ in range(2))
     k, v = (_randn(tk, 2, 64, dtype=dt, gen=gen).to(dev) for _ in range(2))
     cq, ck = cu_q.to(dev), cu_k.to(dev)
