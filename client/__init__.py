@@ -3,7 +3,7 @@
     from client import CodraftClient
     with CodraftClient("http://127.0.0.1:8000") as c:   # token: argument or $CODRAFT_CONTROL_TOKEN
         c.wait_ready()
-        c.load_draft(5, "/ckpt/draft-v5")
+        c.publish_draft(5, "/ckpt/draft-v5")  # or load_draft: the same swap in one call
 
 Generation goes through the official `openai` package: see `client.openai_helpers` (imported
 on its own, so this package does not need openai).
@@ -22,7 +22,16 @@ from client.errors import (
     Unauthorized,
     UnexpectedResponse,
 )
-from client.models import Acceptance, DraftInfo, Health, PolicyInfo, Ready, TapInfo, TapStats
+from client.models import (
+    Acceptance,
+    DraftInfo,
+    DraftStaged,
+    Health,
+    PolicyInfo,
+    Ready,
+    TapInfo,
+    TapStats,
+)
 from client.retry import NO_RETRY, RetryPolicy
 
 __all__ = [
@@ -34,6 +43,7 @@ __all__ = [
     "CodraftHTTPError",
     "ContractError",
     "DraftInfo",
+    "DraftStaged",
     "Health",
     "InvalidRequest",
     "NO_RETRY",

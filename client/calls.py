@@ -18,6 +18,8 @@ from client.errors import InvalidRequest, UnexpectedResponse, http_error
 from client.models import (
     DraftInfo,
     DraftLoad,
+    DraftPrepare,
+    DraftStaged,
     Health,
     PolicyInfo,
     PolicyLoad,
@@ -50,6 +52,19 @@ def get_draft() -> Call[DraftInfo]:
 def load_draft(version: int, path: str, sha256: str | None = None) -> Call[DraftInfo]:
     body = _body(DraftLoad, version=version, path=path, sha256=sha256)
     return Call("POST", "/v1/draft", _model(DraftInfo), json=body, slow=True)
+
+
+def prepare_draft(
+    path: str, version: int | None = None, sha256: str | None = None
+) -> Call[DraftStaged]:
+    body = _body(DraftPrepare, path=path, version=version, sha256=sha256)
+    return Call(
+        "POST", "/v1/draft/prepare", _model(DraftStaged), json=body, answers=frozenset({202})
+    )
+
+
+def staged_draft() -> Call[DraftStaged]:
+    return Call("GET", "/v1/draft/prepare", _model(DraftStaged))
 
 
 def rollback_draft(reason: str = "manual") -> Call[DraftInfo]:

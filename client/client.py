@@ -3,7 +3,7 @@
     with CodraftClient("http://127.0.0.1:8000", token="...") as c:
         c.wait_ready(timeout=300)
         print(c.draft().version)
-        c.load_draft(5, "/ckpt/draft-v5", sha256="...")
+        c.publish_draft(5, "/ckpt/draft-v5", sha256="...")  # prepare ahead, then swap
 
 Both share everything but the sending (see `client.calls`): the same requests, retries (GET
 only, on no answer or 5xx; `RetryPolicy`), errors (`client.errors`) and typed answers
@@ -22,8 +22,8 @@ import httpx
 
 from client import calls
 from client.calls import Call
-from client.errors import CodraftConnectionError, CodraftHTTPError, NotReady
-from client.models import DraftInfo, Health, PolicyInfo, Ready, TapInfo
+from client.errors import CodraftConnectionError, CodraftHTTPError, NotFound, NotReady
+from client.models import DraftInfo, DraftStaged, Health, PolicyInfo, Ready, TapInfo
 from client.retry import NO_RETRY, RetryPolicy
 from client.settings import resolve_base_url, resolve_token
 
@@ -100,6 +100,24 @@ class _ReadyWait:
         return min(self.interval, left)
 
 
+class _StagedWait:
+    """The wait of publish_draft for its prepare, shared by both clients: done once the staged
+    draft is no longer this ticket's preparation (ready, failed, used up or replaced); when
+    `timeout` runs out the swap is sent anyway (it waits for the rest on the server)."""
+
+    def __init__(self, ticket: str | None, timeout: float, interval: float) -> None:
+        self.ticket, self.interval = ticket, interval
+        self.deadline = time.monotonic() + timeout
+
+    def done(self, answer: DraftStaged | None) -> bool:
+        """`answer` None: nothing is staged (404)."""
+        return answer is None or answer.ticket != self.ticket or answer.state != "preparing"
+
+    def pause(self) -> float | None:
+        left = self.deadline - time.monotonic()
+        return None if left <= 0 else min(self.interval, left)
+
+
 class CodraftClient(_Config):
     """Synchronous client of the codraft control API (httpx.Client)."""
 
@@ -140,6 +158,37 @@ class CodraftClient(_Config):
     def load_draft(self, version: int, path: str, sha256: str | None = None) -> DraftInfo:
         """POST /v1/draft. NotNewer (409), ContractError (422), NotFound (404); never retried."""
         return self._run(calls.load_draft(version, path, sha256))
+
+    def prepare_draft(
+        self, path: str, version: int | None = None, sha256: str | None = None
+    ) -> DraftStaged:
+        """POST /v1/draft/prepare: the server stages the draft in the background (202, at
+        once); a later load_draft of the same checkpoint only installs it. NotNewer (409),
+        NotFound (404), ContractError (422, malformed); a check failing later shows in
+        staged_draft() and in the load_draft."""
+        return self._run(calls.prepare_draft(path, version, sha256))
+
+    def staged_draft(self) -> DraftStaged:
+        """GET /v1/draft/prepare: the staged draft's state. NotFound (404) when none is."""
+        return self._run(calls.staged_draft())
+
+    def publish_draft(
+        self, version: int, path: str, sha256: str | None = None, *, poll_s: float = 0.02
+    ) -> DraftInfo:
+        """prepare_draft, wait (polling every `poll_s`) until it is staged, then load_draft,
+        which then only installs it: the swap itself takes one engine RPC. Errors as
+        load_draft's."""
+        wait = _StagedWait(
+            self.prepare_draft(path, version, sha256).ticket, self.load_timeout, poll_s
+        )
+        while True:
+            try:
+                answer: DraftStaged | None = self.staged_draft()
+            except NotFound:
+                answer = None
+            if wait.done(answer) or (pause := wait.pause()) is None:
+                return self.load_draft(version, path, sha256)
+            time.sleep(pause)
 
     def rollback_draft(self, reason: str = "manual") -> DraftInfo:
         """POST /v1/draft/rollback: the draft serving afterwards. NotNewer (409) if none kept."""
@@ -237,6 +286,29 @@ class AsyncCodraftClient(_Config):
 
     async def load_draft(self, version: int, path: str, sha256: str | None = None) -> DraftInfo:
         return await self._run(calls.load_draft(version, path, sha256))
+
+    async def prepare_draft(
+        self, path: str, version: int | None = None, sha256: str | None = None
+    ) -> DraftStaged:
+        return await self._run(calls.prepare_draft(path, version, sha256))
+
+    async def staged_draft(self) -> DraftStaged:
+        return await self._run(calls.staged_draft())
+
+    async def publish_draft(
+        self, version: int, path: str, sha256: str | None = None, *, poll_s: float = 0.02
+    ) -> DraftInfo:
+        wait = _StagedWait(
+            (await self.prepare_draft(path, version, sha256)).ticket, self.load_timeout, poll_s
+        )
+        while True:
+            try:
+                answer: DraftStaged | None = await self.staged_draft()
+            except NotFound:
+                answer = None
+            if wait.done(answer) or (pause := wait.pause()) is None:
+                return await self.load_draft(version, path, sha256)
+            await asyncio.sleep(pause)
 
     async def rollback_draft(self, reason: str = "manual") -> DraftInfo:
         return await self._run(calls.rollback_draft(reason))

@@ -1,4 +1,5 @@
-"""`codraft status | draft load|rollback | policy load | tap set`: the control API from a shell.
+"""`codraft status | draft load|prepare|rollback | policy load | tap set`: the control API from a
+shell.
 
 Exit codes: 0 done; 1 the server refused or failed (its message is printed); 2 usage (bad
 arguments, unreadable token file or checkpoint folder); 3 the server could not be reached.
@@ -91,7 +92,7 @@ def _common() -> argparse.ArgumentParser:
 
 
 def add_client_commands(sub: argparse._SubParsersAction, commands: dict[str, Command]) -> None:
-    """Add status, draft load|rollback, policy load and tap set to the `codraft` CLI."""
+    """Add status, draft load|prepare|rollback, policy load and tap set to the `codraft` CLI."""
     common = _common()
 
     sp = sub.add_parser(
@@ -102,24 +103,34 @@ def add_client_commands(sub: argparse._SubParsersAction, commands: dict[str, Com
     commands["status"] = run
 
     sp = sub.add_parser("draft", help="load a draft into the server, or roll back")
-    actions = sp.add_subparsers(dest="draft_action", required=True, metavar="{load,rollback}")
-    a = actions.add_parser(
-        "load",
-        parents=[common],
-        help="POST /v1/draft: swap in a newer draft checkpoint",
-        description="The sha256 is computed from DIR/model.safetensors and checked against "
-        "DIR/codraft.json when DIR is readable here; the server checks it again.",
+    actions = sp.add_subparsers(
+        dest="draft_action", required=True, metavar="{load,prepare,rollback}"
     )
-    a.add_argument(
-        "--version",
-        type=_version,
-        default=None,
-        help="draft version (default: the one in DIR/codraft.json)",
-    )
-    a.add_argument("--path", required=True, metavar="DIR", help="checkpoint folder, as the "
-                   "server sees it")  # fmt: skip
-    a.add_argument("--sha256", type=_sha256, default=None, help="sha256 of model.safetensors")
-    a.set_defaults(_client_action=_draft_load)
+    for name, action, help_text in (
+        (
+            "load",
+            _draft_load,
+            "POST /v1/draft/prepare, then POST /v1/draft once staged: swap in a newer draft",
+        ),
+        ("prepare", _draft_prepare, "POST /v1/draft/prepare: stage a draft for a later load"),
+    ):
+        a = actions.add_parser(
+            name,
+            parents=[common],
+            help=help_text,
+            description="The sha256 is computed from DIR/model.safetensors and checked against "
+            "DIR/codraft.json when DIR is readable here; the server checks it again.",
+        )
+        a.add_argument(
+            "--version",
+            type=_version,
+            default=None,
+            help="draft version (default: the one in DIR/codraft.json)",
+        )
+        a.add_argument("--path", required=True, metavar="DIR", help="checkpoint folder, as "
+                       "the server sees it")  # fmt: skip
+        a.add_argument("--sha256", type=_sha256, default=None, help="sha256 of model.safetensors")
+        a.set_defaults(_client_action=action)
     a = actions.add_parser(
         "rollback", parents=[common], help="POST /v1/draft/rollback: back to the previous draft"
     )
@@ -268,7 +279,17 @@ def checkpoint_args(
 
 def _draft_load(client: CodraftClient, args: argparse.Namespace) -> int:
     path, version, sha256 = checkpoint_args(args.path, args.version, args.sha256)
-    print(_draft_line(client.load_draft(version, path, sha256)))
+    print(_draft_line(client.publish_draft(version, path, sha256)))
+    return OK
+
+
+def _draft_prepare(client: CodraftClient, args: argparse.Namespace) -> int:
+    path, version, sha256 = checkpoint_args(args.path, args.version, args.sha256)
+    staged = client.prepare_draft(path, version, sha256)
+    print(
+        f"draft v{version} being staged from {path} (ticket {staged.ticket}); "
+        "`codraft draft load` with the same --path installs it"
+    )
     return OK
 
 

@@ -46,6 +46,20 @@ class DraftInfo(_Reply):
     acceptance: Acceptance | None = None
 
 
+class DraftStaged(_Reply):
+    """POST|GET /v1/draft/prepare: the draft staged ahead of its swap. `state` is "preparing",
+    "ready" or "failed" (then `status` and `error` say why, as POST /v1/draft will)."""
+
+    ticket: str | None = None
+    path: str | None = None
+    version: int | None = None
+    state: str | None = None
+    status: int | None = None
+    error: str | None = None
+    sha256: str | None = None
+    files_changed: bool | None = None
+
+
 class PolicyInfo(_Reply):
     """The answer to a policy load."""
 
@@ -106,6 +120,14 @@ class DraftLoad(_Request):
 
     version: _Version
     path: _Path
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+
+
+class DraftPrepare(_Request):
+    """POST /v1/draft/prepare; version None: the checkpoint's own (its codraft.json)."""
+
+    path: _Path
+    version: _Version | None = None
     sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
 
 

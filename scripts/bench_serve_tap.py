@@ -13,14 +13,19 @@ ignore_eos, --max-tokens each) in a closed loop.
    cancels what both servers share; the geometric mean over rounds cancels the difference
    between the two servers and cores. Also: server CPU seconds (all processes) per token.
 2. Swap latency: one server as deployed (both cores), POST /v1/draft round trips idle and under
-   --clients closed-loop clients; each swap publishes a new version (hard links to one of two
-   different weight files). Before each swap a GET /ready (one codraft_info RPC, no work) is
-   timed: under load that is the wait for the running engine step, which every swap pays too.
+   --clients closed-loop clients, in two modes: "one call" (the POST reads, checks, stages and
+   installs) and "prepared ahead" (POST /v1/draft/prepare first, wait until GET
+   /v1/draft/prepare says ready, then time the POST, which only installs). Each swap publishes a
+   new version (hard links to one of two different weight files). Before each swap a GET /ready
+   (one codraft_info RPC, no work) is timed: under load that is the wait for the running engine
+   step, which every swap pays too.
 3. Bytes per token streamed: bytes the recorder wrote / tokens in the recorded messages.
 
-Each swap's reply carries the parts of its latency (`timing_ms`: prepare_ms = read_check_ms +
-stage_ms in the worker's background thread, install_ms between two engine steps, wait_ms = the
-rest: RPC round trips and waits for step boundaries, commit_rpcs); the summary has their p50/p99.
+Each swap's reply carries the parts of its latency (`timing_ms`: prepare_ms in the worker's
+background thread = read_check_ms (read_ms + check_ms, sha256 running meanwhile: hash_ms) +
+stage_ms + hash_wait_ms, install_ms between two engine steps, wait_ms = the rest: RPC round
+trips and waits for step boundaries, commit_rpcs); the summary has their p50/p99, for the
+one-call POST (swap_*) and the commit after a prepare (commit_*).
 
 Writes runs/bench_serve_tap/result.json and result.png (--only swap: part 2 alone, into
 swap_result.json). Usage:
@@ -249,9 +254,30 @@ async def paired_rounds(
     return rows
 
 
+async def wait_prepared(c: httpx.AsyncClient, curl: str, ticket: str, poll_s: float) -> float:
+    """Poll GET /v1/draft/prepare until `ticket` is no longer preparing; the ms it took."""
+    t0 = time.perf_counter()
+    while True:
+        r = await c.get(f"{curl}/v1/draft/prepare")
+        st = r.json() if r.status_code == 200 else {}
+        if st.get("ticket") != ticket or st.get("state") != "preparing":
+            if st.get("state") == "failed":
+                raise RuntimeError(f"prepare failed: {st}")
+            return 1000 * (time.perf_counter() - t0)
+        await asyncio.sleep(poll_s)
+
+
 async def swap_series(
-    curl: str, sources: tuple[Path, Path], out: Path, first: int, n: int, gap_s: float
+    curl: str,
+    sources: tuple[Path, Path],
+    out: Path,
+    first: int,
+    n: int,
+    gap_s: float,
+    ahead: bool = False,
 ) -> list[dict]:
+    """`n` swaps to versions first.., one POST /v1/draft each; with `ahead`, each is prepared
+    first (POST /v1/draft/prepare, then GET until ready) and only the commit POST is timed."""
     from codraft.draft.checkpoint import sha256_file
 
     shas = [sha256_file(s / "model.safetensors") for s in sources]
@@ -260,18 +286,37 @@ async def swap_series(
         for i in range(n):
             v = first + i
             path = publish(sources[v % 2], out, v)
+            body = {"version": v, "path": str(path), "sha256": shas[v % 2]}
+            extra: dict[str, float] = {}
+            if ahead:
+                t0 = time.perf_counter()
+                r = await c.post(f"{curl}/v1/draft/prepare", json=body)
+                if r.status_code != 202:
+                    raise RuntimeError(f"prepare of v{v} failed: {r.status_code} {r.text}")
+                extra["prepare_post_ms"] = 1000 * (time.perf_counter() - t0)
+                extra["prepared_after_ms"] = extra["prepare_post_ms"] + await wait_prepared(
+                    c, curl, r.json()["ticket"], 0.01
+                )
             t0 = time.perf_counter()
             await c.get(f"{curl}/ready")  # one codraft_info RPC: the wait for a step boundary
             probe_ms = 1000 * (time.perf_counter() - t0)
             t0 = time.perf_counter()
-            body = {"version": v, "path": str(path), "sha256": shas[v % 2]}
             r = await c.post(f"{curl}/v1/draft", json=body)
             ms = 1000 * (time.perf_counter() - t0)
             if r.status_code != 200:
                 raise RuntimeError(f"swap to v{v} failed: {r.status_code} {r.text}")
             timing = r.json().get("timing_ms") or {}
+            if ahead and not timing.get("prepared_ahead"):
+                raise RuntimeError(f"v{v} was prepared ahead but the swap prepared it again")
             rows.append(
-                {"version": v, "status": r.status_code, "ms": ms, "probe_ms": probe_ms, **timing}
+                {
+                    "version": v,
+                    "status": r.status_code,
+                    "ms": ms,
+                    "probe_ms": probe_ms,
+                    **extra,
+                    **timing,
+                }
             )
             await asyncio.sleep(gap_s)
     return rows
@@ -285,16 +330,18 @@ async def swaps_under_load(
     sources: tuple[Path, Path],
     out: Path,
     first: int,
-) -> list[dict]:
+) -> dict[str, list[dict]]:
     stop = asyncio.Event()
     load = asyncio.ensure_future(
         closed_loop(server.url, model, prompts, args.clients, args.max_tokens, stop)
     )
     await asyncio.sleep(5.0)  # every client running
-    rows = await swap_series(server.control_url, sources, out, first, args.swaps, 0.5)
+    curl = server.control_url
+    one = await swap_series(curl, sources, out, first, args.swaps, 0.5)
+    ahead = await swap_series(curl, sources, out, first + args.swaps, args.swaps, 0.5, True)
     stop.set()
     await load
-    return rows
+    return {"one_call": one, "ahead": ahead}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -373,24 +420,57 @@ def swap_part(
     server.wait_ready(900)
     print("swap server ready", flush=True)
     where = out / f"swaps-{stamp}"
-    asyncio.run(swap_series(server.control_url, drafts, where, 1, 2, 0.2))  # warm-up
-    idle = asyncio.run(swap_series(server.control_url, drafts, where, 3, args.swaps, 0.2))
+    curl = server.control_url
+    asyncio.run(swap_series(curl, drafts, where, 1, 2, 0.2))  # warm-up
+    asyncio.run(swap_series(curl, drafts, where, 3, 2, 0.2, True))
+    n = args.swaps
+    idle = asyncio.run(swap_series(curl, drafts, where, 5, n, 0.2))
+    idle_ahead = asyncio.run(swap_series(curl, drafts, where, 5 + n, n, 0.2, True))
     loaded = asyncio.run(
-        swaps_under_load(server, args, str(model), prompts, drafts, where, 3 + args.swaps)
+        swaps_under_load(server, args, str(model), prompts, drafts, where, 5 + 2 * n)
     )
-    return {"idle": idle, "under_load": loaded}
+    return {
+        "idle": idle,
+        "under_load": loaded["one_call"],
+        "idle_ahead": idle_ahead,
+        "under_load_ahead": loaded["ahead"],
+    }
 
 
-SWAP_PARTS = ("prepare_ms", "read_check_ms", "stage_ms", "install_ms", "wait_ms", "commit_rpcs")
+SWAP_PARTS = (
+    "prepare_ms",
+    "read_check_ms",
+    "read_ms",
+    "check_ms",
+    "hash_ms",
+    "hash_wait_ms",
+    "stage_ms",
+    "materialize_ms",
+    "load_weights_ms",
+    "process_ms",
+    "install_ms",
+    "wait_ms",
+    "commit_rpcs",
+)
+SWAP_SERIES = (  # key in result["swaps"], prefix, short name
+    ("idle", "swap", "idle"),
+    ("under_load", "swap", "load"),
+    ("idle_ahead", "commit", "idle"),
+    ("under_load_ahead", "commit", "load"),
+)
 
 
 def swap_summary(swaps: dict[str, list[dict]]) -> dict[str, float]:
+    """p50/p99 of each series: swap_* for the one-call POST, commit_* for the POST after a
+    prepare (prepared_after_ms: from the prepare POST until GET says ready)."""
     out: dict[str, float] = {}
-    for key, short in (("idle", "idle"), ("under_load", "load")):
-        rows = swaps[key]
-        for col, name in [("ms", "swap_ms"), ("probe_ms", "probe_rpc_ms")] + [
-            (p, f"swap_{p}") for p in SWAP_PARTS
-        ]:
+    for key, prefix, short in SWAP_SERIES:
+        rows = swaps.get(key) or []
+        probe = "probe_rpc_ms" if prefix == "swap" else f"{prefix}_probe_rpc_ms"
+        cols = [("ms", f"{prefix}_ms"), ("probe_ms", probe)]
+        cols += [(p, f"{prefix}_{p}") for p in SWAP_PARTS]
+        cols += [(p, f"{prefix}_{p}") for p in ("prepare_post_ms", "prepared_after_ms")]
+        for col, name in cols:
             vals = [r[col] for r in rows if col in r]
             if vals:
                 out[f"{name}_{short}_p50"] = pct(vals, 50)
@@ -425,8 +505,6 @@ def summarize(result: dict) -> None:
     rounds = result["rounds"]
     ratios = [r["ratio_on_off"] for r in rounds]
     cpu_ratios = [r["cpu_ratio_on_off"] for r in rounds]
-    idle = [s["ms"] for s in result["swaps"]["idle"]]
-    load = [s["ms"] for s in result["swaps"]["under_load"]]
     taps = result["tap_tokens"]
     nbytes = result["recorder"]["bytes_written"]
     result["summary"] = {
@@ -444,7 +522,7 @@ def summarize(result: dict) -> None:
         "tap_messages": taps["messages"],
         "recorder_rejected": result["recorder"]["rejected"],
         **swap_summary(result["swaps"]),
-        "swaps": len(idle) + len(load),
+        "swaps": sum(len(rows) for rows in result["swaps"].values()),
     }
 
 
@@ -468,9 +546,15 @@ def plot(result: dict, path: Path) -> None:
         fontsize=10,
     )
     ax1.legend(fontsize=8)
-    for key, label in (("idle", "idle"), ("under_load", "under load")):
-        ms = sorted(r["ms"] for r in result["swaps"][key])
-        ax2.plot(ms, [(i + 1) / len(ms) for i in range(len(ms))], marker=".", label=label)
+    for key, label in (
+        ("idle", "one call, idle"),
+        ("under_load", "one call, under load"),
+        ("idle_ahead", "prepared ahead, idle"),
+        ("under_load_ahead", "prepared ahead, under load"),
+    ):
+        ms = sorted(r["ms"] for r in result["swaps"].get(key) or [])
+        if ms:
+            ax2.plot(ms, [(i + 1) / len(ms) for i in range(len(ms))], marker=".", label=label)
     ax2.axvline(100, color="grey", ls="--", lw=1)
     ax2.set_xscale("log")
     ax2.set_xlabel("POST /v1/draft round trip (ms)")

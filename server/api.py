@@ -4,8 +4,9 @@ Every route is a thin layer over one `collective_rpc` method of the worker exten
 (`server.worker_ext.CodraftWorkerExtension`); rank 0's reply is the answer. A reply
 `{"ok": False, "status": S, "error": M}` becomes HTTP S (400..599) with `{"detail": M}`.
 
-- `control_router(control, auth)`: GET/POST /v1/draft, POST /v1/draft/rollback, POST /v1/policy,
-  GET/PUT /v1/tap, all behind the bearer-token dependency `auth`.
+- `control_router(control, auth)`: GET/POST /v1/draft, GET/POST /v1/draft/prepare, POST
+  /v1/draft/rollback, POST /v1/policy, GET/PUT /v1/tap, all behind the bearer-token dependency
+  `auth`.
 - `probe_router(control)`: GET /health (engine alive), GET /ready (engine ready and a draft
   loaded); unauthenticated. /metrics is in `server.metrics`.
 - `BodyLimit`: ASGI middleware, 413 for control request bodies over `max_body_bytes`, before a
@@ -41,7 +42,9 @@ from server.auth import ControlError, bearer_auth, control_error_response
 log = logging.getLogger(__name__)
 
 MAX_VERSION = 2**63 - 1
-CONTROL_PATHS = frozenset({"/v1/draft", "/v1/draft/rollback", "/v1/policy", "/v1/tap"})
+CONTROL_PATHS = frozenset(
+    {"/v1/draft", "/v1/draft/prepare", "/v1/draft/rollback", "/v1/policy", "/v1/tap"}
+)
 
 
 @dataclass
@@ -64,10 +67,19 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+_Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
 class DraftLoadRequest(_Body):
     version: _Version
     path: _Path
-    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+    sha256: _Sha256 | None = None
+
+
+class DraftPrepareRequest(_Body):
+    path: _Path
+    version: _Version | None = None  # None: the checkpoint's own (its codraft.json)
+    sha256: _Sha256 | None = None
 
 
 class RollbackRequest(_Body):
@@ -235,42 +247,59 @@ class EngineControl:
             self._epoch += 1
             self.swap_lock.release()
 
+    async def prepare_draft(self, path: str, version: int | None, sha256: str | None) -> dict:
+        """Stage a draft ahead of its swap (`codraft_prepare_draft`, under the swap lock so that
+        it never supersedes the draft a swap in progress is waiting for): the reply is the
+        ticket at once; reading, hashing, checking and staging run in the worker's thread."""
+        t0 = time.perf_counter()
+        reply = await self.swap_locked(
+            lambda: self.rpc("codraft_prepare_draft", path=path, version=version, sha256=sha256),
+            "draft prepare",
+        )
+        return {
+            "ticket": reply["ticket"],
+            "path": path,
+            "version": reply.get("version"),
+            "state": "preparing",
+            "prepare_rpc_ms": 1e3 * (time.perf_counter() - t0),
+        }
+
     async def swap_draft(self, path: str, version: int, sha256: str | None) -> dict:
-        """A draft swap in two phases, under the swap lock: `codraft_prepare_draft` starts the
-        read/hash/check/staging in a worker thread and returns a ticket; `codraft_commit_draft`
-        is asked again every `commit_poll_s` until the draft is prepared, and then installs it
-        between two engine steps. The reply's `timing_ms` adds this side's view to the
-        engine's: `total_ms`, `prepare_rpc_ms` (the first RPC's round trip), `commit_rpcs`, and
-        `wait_ms` = total - prepare_ms - install_ms (RPC round trips and waits for step
-        boundaries)."""
+        """A draft swap, under the swap lock. `codraft_swap_draft` commits the staged draft
+        when it is this checkpoint (prepared ahead, files unchanged): one RPC. Otherwise it
+        starts the read/hash/check/staging in a worker thread and returns a ticket;
+        `codraft_commit_draft` is then asked every `commit_poll_s` until the draft is prepared,
+        and installs it between two engine steps. The reply's `timing_ms` adds this side's view
+        to the engine's: `total_ms`, `first_rpc_ms` (the first RPC's round trip),
+        `commit_rpcs` (RPCs in all), `prepared_ahead`, and `wait_ms` = total - the preparation
+        this swap waited for - install_ms (RPC round trips and waits for step boundaries)."""
         t0 = time.perf_counter()
 
         async def body() -> dict:
-            ticket = (
-                await self.rpc("codraft_prepare_draft", path=path, version=version, sha256=sha256)
-            )["ticket"]
+            reply = await self.rpc("codraft_swap_draft", path=path, version=version, sha256=sha256)
             t1 = time.perf_counter()
+            ahead, rpcs, ticket = bool(reply.get("prepared_ahead")), 1, reply.get("ticket")
             deadline = t1 + self.settings.rpc_timeout_s
-            polls = 0
-            while True:
-                await asyncio.sleep(self.settings.commit_poll_s)
-                reply = await self.rpc("codraft_commit_draft", ticket=ticket)
-                polls += 1
-                if reply.get("ready"):
-                    break
+            while not reply.get("ready"):
                 if time.perf_counter() > deadline:
                     raise ControlError(
                         504,
                         f"draft v{version} was not prepared within "
                         f"{self.settings.rpc_timeout_s:.0f} s",
                     )
+                await asyncio.sleep(self.settings.commit_poll_s)
+                reply = await self.rpc("codraft_commit_draft", ticket=ticket)
+                ticket = reply.get("ticket", ticket)  # a new one when the files changed
+                rpcs += 1
             timing = dict(reply.get("timing_ms") or {})
             total = 1e3 * (time.perf_counter() - t0)
+            waited = 0.0 if ahead and rpcs == 1 else timing.get("prepare_ms", 0.0)
             timing.update(
                 total_ms=total,
-                prepare_rpc_ms=1e3 * (t1 - t0),
-                commit_rpcs=polls,
-                wait_ms=total - timing.get("prepare_ms", 0.0) - timing.get("install_ms", 0.0),
+                first_rpc_ms=1e3 * (t1 - t0),
+                commit_rpcs=rpcs,
+                prepared_ahead=ahead,
+                wait_ms=total - min(waited, total) - timing.get("install_ms", 0.0),
             )
             return {**reply, "timing_ms": timing}
 
@@ -333,12 +362,32 @@ def control_router(control: EngineControl, auth: Callable[..., Awaitable[None]])
     @r.post("/v1/draft")
     async def post_draft(request: Request) -> dict:
         """Load a new draft {version, path, sha256}: 409 not newer, 422 contract or checksum,
-        404 missing; the previous draft keeps serving on every failure. The reply is the new
+        404 missing; the previous draft keeps serving on every failure. A draft staged by POST
+        /v1/draft/prepare (same path, files unchanged) is only installed. The reply is the new
         draft plus `timing_ms` (see EngineControl.swap_draft)."""
         body = await read_body(request, DraftLoadRequest)
         path = checked_path(control, body.path)
         reply = await control.swap_draft(path, body.version, body.sha256)
         return {**reply["draft"], "timing_ms": reply["timing_ms"]}
+
+    @r.post("/v1/draft/prepare", status_code=202)
+    async def prepare_draft(request: Request) -> dict:
+        """Stage a draft ahead {path, version?, sha256?}: 202 with a ticket at once, then the
+        server reads, hashes, checks and stages it in the background; a later POST /v1/draft
+        of the same checkpoint (files unchanged) only installs it. 409 not newer, 404 missing,
+        422 malformed, 403 outside the checkpoint root; a check that fails later is reported
+        by GET /v1/draft/prepare and by the POST /v1/draft of that checkpoint. One draft is
+        staged at a time: a new prepare replaces it."""
+        body = await read_body(request, DraftPrepareRequest)
+        path = checked_path(control, body.path)
+        return await control.prepare_draft(path, body.version, body.sha256)
+
+    @r.get("/v1/draft/prepare")
+    async def staged_draft() -> dict:
+        """The staged draft: ticket, path, version, state (preparing, ready, failed), status and
+        error when it failed, timing_ms when ready; 404 when none is staged."""
+        reply = await control.rpc("codraft_staged_draft", timeout=control.settings.probe_timeout_s)
+        return reply["staged"]
 
     @r.post("/v1/draft/rollback")
     async def rollback_draft(request: Request) -> dict:

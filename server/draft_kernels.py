@@ -25,6 +25,7 @@ start can be rolled back to like any other.
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, field
 from types import MethodType
 from typing import Any
@@ -50,6 +51,7 @@ class LayerKernels:
 @dataclass
 class KernelState:
     layers: list[LayerKernels]
+    timing: dict[str, float] = field(default_factory=dict)  # stage_kernels' parts, ms
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for k in self.layers for t in k.tensors.values())
@@ -142,6 +144,7 @@ def stage_kernels(
 
     if any("embed_tokens" in name for name in weights):
         raise StageError("the draft's embedding is the target's: a checkpoint must not hold one")
+    t0 = time.perf_counter()
     shared = _shared_ids(drafter_model, target_model)
     live_layers = _loadable_layers(drafter_model, shared)
     shadow = _shadow(drafter_model, shared)
@@ -153,13 +156,16 @@ def stage_kernels(
         twin = twins[id(layer)]
         for name, meta in info.restore_metadata[0].items():
             twin._parameters[name] = _materialize(meta, layer, twin, info.restore_device)
+    t1 = time.perf_counter()
     with torch.inference_mode():
         shadow.load_weights(iter(weights.items()))
+        t2 = time.perf_counter()
         for layer in live_layers:
             twin = twins[id(layer)]
             method = getattr(twin, "quant_method", None)
             if method is not None and hasattr(method, "process_weights_after_loading"):
                 method.process_weights_after_loading(twin)
+    t3 = time.perf_counter()
     state = []
     for layer in live_layers:
         twin = twins[id(layer)]
@@ -179,7 +185,13 @@ def stage_kernels(
             raise StageError(f"{type(layer).__name__}: kernel attributes differ after loading")
         tensors = {n: t for n, t in new.items() if t.numel()}
         state.append(LayerKernels(layer, tensors, attrs))
-    return KernelState(state)
+    timing = {
+        "materialize_ms": 1e3 * (t1 - t0),
+        "load_weights_ms": 1e3 * (t2 - t1),
+        "process_ms": 1e3 * (t3 - t2),
+        "collect_ms": 1e3 * (time.perf_counter() - t3),
+    }
+    return KernelState(state, timing)
 
 
 def snapshot_live(drafter_model: nn.Module, target_model: nn.Module) -> KernelState:

@@ -6,21 +6,32 @@ workers run it in their own loop, in order with `execute_model`). So whatever an
 engine does not step meanwhile, and an RPC can only start at a step boundary. Hence:
 
 - `prepare(path, version, sha256)` (RPC `codraft_prepare_draft`) checks the arguments, refuses
-  a version that is not newer (409) or a missing path (404), starts a background thread and
-  returns a ticket at once. The thread reads, hashes and checks the checkpoint
-  (`server.swap.prepare_draft`: the bytes hashed are the bytes installed) and builds the
-  drafter's kernel-format weights from them (`server.draft_kernels.stage_kernels`) while the
-  engine keeps stepping; hashlib, file reads and torch kernels release the GIL.
+  a version that is not newer (409) or a missing path (404), notes the checkpoint files'
+  identity (device, inode, size, mtime), starts a background thread and returns a ticket at
+  once. The thread reads and checks the checkpoint while a second thread hashes it
+  (`server.swap.open_draft`, `server.draft_read`: the bytes hashed are the bytes installed),
+  builds the drafter's kernel-format weights from them (`server.draft_kernels.stage_kernels`)
+  and then waits for the sha256; the engine keeps stepping (file reads, hashlib and torch
+  kernels release the GIL). `version` None takes the checkpoint's own (codraft.json).
 - `commit(ticket)` (RPC `codraft_commit_draft`) answers `ready: False` while the thread runs
-  (the caller asks again), the thread's error (404/422/500: nothing changed) when it failed,
-  409 for a ticket that is not the latest prepared one, and otherwise installs the staged
-  weights (`install`: copy_ into the live storage + kernel attributes, ~ms) and makes the new
-  draft current, the old one previous (kept for rollback with its own kernel state).
+  (the caller asks again); if a checkpoint file changed since the prepare, it prepares the
+  path again and answers `ready: False` with the new ticket; then the thread's error
+  (404/409/422/500: nothing changed), 409 for a ticket that is not the latest prepared one,
+  and otherwise installs the staged weights (`install`: copy_ into the live storage + kernel
+  attributes, ~ms) and makes the new draft current, the old one previous (kept for rollback).
+- `swap(path, version, sha256)` (RPC `codraft_swap_draft`, what `POST /v1/draft` sends) commits
+  the staged draft when it is this checkpoint (same path, a version and sha256 that agree, files
+  unchanged since the prepare): a draft prepared ahead (`POST /v1/draft/prepare`) costs the
+  swap one RPC. Otherwise it prepares the path (superseding the staged draft) and answers as
+  `commit` does while that runs.
 - `load(...)` (RPC `codraft_load_draft`) does both inside one RPC, as before.
+- `staged()` (RPC `codraft_staged_draft`): the staged draft's state (404 when none).
 
-Only the latest prepare is kept: a newer one supersedes it (its ticket then gets 409). If the
-drafter's layout does not allow staging (`StageError`), the slot keeps its checkpoint tensors
-and the commit falls back to vLLM's in-place reload (`write_draft_weights`), as before.
+At most one draft is staged: a newer prepare supersedes it (its ticket then gets 409; a thread
+still preparing it stops at its next step and drops what it read), a commit uses it up. The
+read buffer goes back to a pool of one for the next prepare. If the drafter's layout does not
+allow staging (`StageError`), the slot keeps its checkpoint tensors and the commit falls back to
+vLLM's in-place reload (`write_draft_weights`), as before.
 """
 
 from __future__ import annotations
@@ -33,10 +44,28 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
+from codraft.draft.checkpoint import CONFIG_NAME, META_NAME, WEIGHTS_NAME
 from server.draft_kernels import StageError, install, snapshot_live, stage_kernels
-from server.swap import DraftSlot, SwapError, prepare_draft, utc_now, write_draft_weights
+from server.draft_read import BufferPool
+from server.swap import DraftSlot, SwapError, open_draft, utc_now, write_draft_weights
 
 log = logging.getLogger(__name__)
+FileId = tuple[tuple[int, int, int, int] | None, ...]
+
+
+def file_identity(path: str) -> FileId:
+    """(device, inode, size, mtime) of each checkpoint file, None for a missing one."""
+    out = []
+    for name in (CONFIG_NAME, WEIGHTS_NAME, META_NAME):
+        try:
+            st = os.stat(os.path.join(path, name))
+        except OSError:
+            out.append(None)
+            continue
+        out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
 
 
 @dataclass
@@ -45,20 +74,29 @@ class Staging:
 
     ticket: str
     path: str
-    version: int
+    version: int | None  # None: the checkpoint's own
     sha256: str | None
+    identity: FileId
     started: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
     slot: DraftSlot | None = None
     error: SwapError | None = None
     timing: dict[str, float] = field(default_factory=dict)
+    want: dict[str, Any] = field(default_factory=dict)  # version/sha256 a swap() asks for
+
+    def state(self) -> str:
+        if not self.done.is_set():
+            return "preparing"
+        return "failed" if self.error is not None else "ready"
 
 
-def check_load_args(path: Any, version: Any, sha256: Any) -> tuple[str, int, str | None]:
+def check_load_args(path: Any, version: Any, sha256: Any) -> tuple[str, int | None, str | None]:
     if not isinstance(path, str) or not path:
         raise SwapError(422, f"path must be a non-empty string, got {path!r}")
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise SwapError(422, f"version must be a non-negative integer, got {version!r}")
+    if version is not None and (
+        isinstance(version, bool) or not isinstance(version, int) or version < 0
+    ):
+        raise SwapError(422, f"version must be a non-negative integer or null, got {version!r}")
     if sha256 is not None and not (isinstance(sha256, str) and len(sha256) == 64):
         raise SwapError(422, f"sha256 must be 64 hex digits or null, got {sha256!r}")
     return path, version, sha256
@@ -74,6 +112,7 @@ class DraftSwapper:
         self.current = initial
         self.previous: DraftSlot | None = None
         self.staging: Staging | None = None
+        self.pool = BufferPool()
         self._stage_into(initial, snapshot=True)
 
     # ------------------------------------------------------------------ prepare
@@ -87,39 +126,64 @@ class DraftSwapper:
 
     def _new_staging(self, path: Any, version: Any, sha256: Any) -> Staging:
         path, version, sha256 = check_load_args(path, version, sha256)
-        self._check_newer(version)
+        if version is not None:
+            self._check_newer(version)
         if not os.path.exists(path):
             raise SwapError(404, f"draft checkpoint not found: {path} does not exist")
-        staging = Staging(uuid.uuid4().hex, path, version, sha256)
+        staging = Staging(uuid.uuid4().hex, path, version, sha256, file_identity(path))
         self.staging = staging  # supersedes an earlier one
         return staging
 
-    def prepare(self, path: Any, version: Any, sha256: Any = None) -> dict[str, Any]:
+    def prepare(self, path: Any, version: Any = None, sha256: Any = None) -> dict[str, Any]:
         st = self._new_staging(path, version, sha256)
         threading.Thread(
             target=self._prepare_body, args=(st,), name="codraft-prepare", daemon=True
         ).start()
         return {"ok": True, "ticket": st.ticket, "version": st.version, "ready": False}
 
+    def _superseded(self, st: Staging) -> bool:
+        return self.staging is not st
+
     def _prepare_body(self, st: Staging) -> None:
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
-            slot = prepare_draft(st.path, st.version, st.sha256, self.current, self.fingerprint)
-            t1 = time.perf_counter()
-            self._stage_into(slot)
-            t2, c2 = time.perf_counter(), time.thread_time()
+            opened = open_draft(
+                st.path, st.version, st.sha256, self.current, self.fingerprint, self.pool
+            )
+            slot, checked = opened.slot, opened.checked
+            try:
+                t1 = time.perf_counter()
+                if self._superseded(st):
+                    raise SwapError(409, "superseded by a newer prepare")
+                if st.version is None:
+                    self._check_newer(slot.version)
+                self._stage_into(slot)
+                t2 = time.perf_counter()
+                opened.verify()  # the sha256, computed meanwhile
+            except BaseException:
+                checked.release()  # the slot is dropped: the buffer can be reused
+                raise
+            kernels = slot.kernels
+            if kernels is None or any(
+                checked.owns(t) for k in kernels.layers for t in k.tensors.values()
+            ):
+                checked.pool = None  # tensors still use the buffer: never reuse it
+            checked.release()
+            t3, c3 = time.perf_counter(), time.thread_time()
             st.timing = {
                 "queued_ms": 1e3 * (t0 - st.started),
                 "read_check_ms": 1e3 * (t1 - t0),
                 "stage_ms": 1e3 * (t2 - t1),
-                "prepare_ms": 1e3 * (t2 - t0),
-                "prepare_cpu_ms": 1e3 * (c2 - c0),
+                "prepare_ms": 1e3 * (t3 - t0),
+                "prepare_cpu_ms": 1e3 * (c3 - c0),
+                **{k: v for k, v in checked.timing.items() if k.endswith("_ms")},
+                **(kernels.timing if kernels is not None else {}),
             }
             st.slot = slot
         except SwapError as e:
             st.error = e
         except Exception as e:
-            log.exception("codraft: preparing draft v%d failed", st.version)
+            log.exception("codraft: preparing draft %s failed", st.path)
             st.error = SwapError(500, f"preparing the draft failed: {type(e).__name__}: {e}")
         finally:
             st.done.set()
@@ -134,11 +198,53 @@ class DraftSwapper:
             else:
                 slot.kernels = stage_kernels(drafter, target, slot.weights)
             slot.weights = {}
+            if torch.cuda.is_available():
+                # staged on this thread's stream; the engine reads them on its own stream,
+                # which does not wait for this one: the copies must be done before commit
+                torch.cuda.current_stream().synchronize()
         except (StageError, ImportError, AttributeError) as e:  # layout or vLLM internals
             log.warning("codraft: draft weights cannot be staged (%s): reload_weights is used", e)
             slot.kernels = None
 
+    def staged(self) -> dict[str, Any]:
+        """The staged draft: ticket, path, version, state (preparing/ready/failed), and its
+        error or timing."""
+        st = self.staging
+        if st is None:
+            raise SwapError(
+                404,
+                "no draft is staged: POST /v1/draft/prepare stages one (a commit uses it up)",
+            )
+        out: dict[str, Any] = {
+            "ticket": st.ticket,
+            "path": st.path,
+            "version": st.slot.version if st.slot is not None else st.version,
+            "state": st.state(),
+            "elapsed_ms": 1e3 * (time.perf_counter() - st.started),
+            "files_changed": file_identity(st.path) != st.identity,
+        }
+        if st.error is not None:
+            out.update(status=st.error.status, error=str(st.error))
+        if st.slot is not None:
+            out.update(sha256=st.slot.sha256, timing_ms=st.timing)
+        return {"ok": True, "staged": out}
+
     # ------------------------------------------------------------------ commit
+    def swap(self, path: Any, version: Any, sha256: Any = None) -> dict[str, Any]:
+        """Commit the staged draft if it is this checkpoint, else prepare it (see module doc)."""
+        path, version, sha256 = check_load_args(path, version, sha256)
+        st = self.staging
+        if (
+            st is not None
+            and st.path == path
+            and st.version in (None, version)
+            and (st.sha256 is None or sha256 is None or st.sha256 == sha256)
+            and file_identity(path) == st.identity
+        ):
+            st.want = {"version": version, "sha256": sha256}
+            return {**self.commit(st.ticket), "prepared_ahead": True}
+        return {**self.prepare(path, version, sha256), "prepared_ahead": False}
+
     def commit(self, ticket: Any) -> dict[str, Any]:
         st = self.staging
         if st is None or st.ticket != ticket:
@@ -154,18 +260,43 @@ class DraftSwapper:
                 "ticket": ticket,
                 "elapsed_ms": 1e3 * (time.perf_counter() - st.started),
             }
+        if file_identity(st.path) != st.identity:  # rewritten since: what is there now
+            log.info("codraft: %s changed since it was prepared; preparing it again", st.path)
+            again = self.prepare(st.path, st.version, st.sha256)
+            self.staging.want = st.want  # type: ignore[union-attr]
+            return {**again, "restarted": True}
         self.staging = None
         if st.error is not None:
             raise st.error
         assert st.slot is not None
+        self._check_wanted(st, st.slot)
         self._check_newer(st.slot.version)  # a swap may have happened since the prepare
         t0 = time.perf_counter()
         self.switch_to(st.slot)
         timing = {**st.timing, "install_ms": 1e3 * (time.perf_counter() - t0)}
         return {"ok": True, "ready": True, "timing_ms": timing}
 
+    @staticmethod
+    def _check_wanted(st: Staging, slot: DraftSlot) -> None:
+        """What a swap() asked for against a draft prepared without it (as open_draft would)."""
+        version, sha256 = st.want.get("version"), st.want.get("sha256")
+        if version is not None and slot.version != version:
+            raise SwapError(
+                422,
+                f"{st.path}/{META_NAME} records version {slot.version}, the request says "
+                f"{version}: publish each version in its own checkpoint directory",
+            )
+        if sha256 is not None and sha256.lower() != slot.sha256:
+            raise SwapError(
+                422,
+                f"sha256 mismatch: the request expects {sha256}, {st.path}/{WEIGHTS_NAME} is "
+                f"{slot.sha256}",
+            )
+
     def load(self, path: Any, version: Any, sha256: Any = None) -> dict[str, Any]:
         """Prepare and commit inside one call (the engine waits for all of it)."""
+        if version is None:
+            raise SwapError(422, "version must be a non-negative integer, got None")
         st = self._new_staging(path, version, sha256)
         self._prepare_body(st)
         return self.commit(st.ticket)

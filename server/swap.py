@@ -1,7 +1,8 @@
 """Live draft swap and policy reload, between engine steps, through vLLM's own load path.
 
-Draft swap. A new checkpoint is read into memory once and checked (`load_checked`: the checks
-of `codraft.draft.load_draft`, the bytes hashed are the bytes loaded): files present, sha256 as
+Draft swap. A new checkpoint is read into memory once and checked (`load_checked`, or
+`open_draft` for a swap: the checks of `codraft.draft.load_draft` by `server.draft_read`; the
+bytes hashed are the bytes loaded, hashed in a thread meanwhile): files present, sha256 as
 recorded (and as the caller says), tensor names/shapes/dtypes, d2t/t2d, the contract of the
 serving engine (target hidden size and vocab, tap layers, the running draft's geometry, the
 target fingerprint when the checkpoint records one) and every other config field the running
@@ -21,8 +22,6 @@ computed with the old weights must be reset by the engine's owner afterwards
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import io
 import json
 import logging
 import math
@@ -39,7 +38,6 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from codraft.draft import checkpoint as ckpt
 from codraft.draft.checkpoint import (
     CONFIG_NAME,
     META_NAME,
@@ -53,6 +51,7 @@ from codraft.draft.config import DraftConfig
 from codraft.models.config import TargetConfig
 from codraft.models.llama import safetensors_files
 from codraft.tap import model_fingerprint
+from server.draft_read import BufferPool, CheckedWeights, read_checked
 
 log = logging.getLogger(__name__)
 # Config fields a running vLLM drafter has baked in; a new draft must agree on all of them.
@@ -99,36 +98,12 @@ def load_checked(
 ) -> tuple[DraftConfig, DraftMeta, dict[str, torch.Tensor]]:
     """`codraft.draft.load_draft` without building an `Eagle3Draft`: the same checks with the
     same messages (config, sidecar, contract, header and length, sha256, tensor names/shapes/
-    dtypes, d2t/t2d) in one read of the weights, whose bytes are the ones loaded. Building the
-    model would cost more than the rest of a swap (it initialises every weight on the CPU).
-    Raises DraftCheckpointError."""
-    # TODO(codraft.draft owner): expose this as a public load_draft_tensors().
-    cfg, meta = ckpt._read_config_and_meta(root, expect)
-    weights = root / WEIGHTS_NAME
-    try:
-        with open(weights, "rb") as f:
-            data = bytearray(os.fstat(f.fileno()).st_size)
-            got = f.readinto(data)
-    except OSError as e:
-        raise DraftCheckpointError(f"{weights}: unreadable: {e}") from None
-    if got != len(data):
-        raise DraftCheckpointError(f"{weights}: changed size while being read")
-    header = ckpt._read_header(io.BytesIO(data), len(data), weights)
-    ckpt._check_sha(hashlib.sha256(data).hexdigest(), meta, weights)
-    ckpt._check_tensors(header, cfg, weights)
-    # Tensors are views of the verified buffer (no second copy).
-    base = 8 + struct.unpack_from("<Q", data)[0]
-    tensors = {}
-    for name, (dt, shape, begin, end) in header.items():
-        dtype = ckpt._ST_DTYPES[dt][0]
-        if end == begin:
-            tensors[name] = torch.empty(shape, dtype=dtype)
-            continue
-        flat = torch.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=base + begin)
-        tensors[name] = flat.view(shape)
-    if not cfg.full_vocab:
-        ckpt._check_maps(tensors["d2t"], tensors["t2d"], cfg, weights)
-    return cfg, meta, tensors
+    dtypes, d2t/t2d) in one read of the weights, whose bytes are the ones loaded
+    (`server.draft_read`). Building the model would cost more than the rest of a swap (it
+    initialises every weight on the CPU). Raises DraftCheckpointError."""
+    checked = read_checked(root, expect)
+    checked.verify_sha()
+    return checked.cfg, checked.meta, checked.tensors
 
 
 def read_initial_draft(path: str) -> DraftSlot:
@@ -147,21 +122,69 @@ def read_initial_draft(path: str) -> DraftSlot:
     )
 
 
-def prepare_draft(
-    path: str, version: int, sha256: str | None, running: DraftSlot, fingerprint: str | None
-) -> DraftSlot:
-    """Read and check a new checkpoint against the running draft (see module doc). Raises
-    SwapError 404 (no such path) or 422 (anything wrong with the checkpoint)."""
+@dataclass
+class OpenedDraft:
+    """A new draft that passed every check but the checksum, still being computed: `slot`'s
+    weights must not be installed before `verify()` has returned."""
+
+    slot: DraftSlot
+    checked: CheckedWeights
+
+    def verify(self) -> None:
+        _verify_sha(self.checked)
+
+
+def _verify_sha(checked: CheckedWeights) -> None:
+    try:
+        checked.verify_sha()
+    except DraftCheckpointError as e:
+        raise SwapError(422, f"draft checkpoint rejected: {e}") from None
+
+
+def open_draft(
+    path: str,
+    version: int | None,
+    sha256: str | None,
+    running: DraftSlot,
+    fingerprint: str | None,
+    pool: BufferPool | None = None,
+) -> OpenedDraft:
+    """Read and check a new checkpoint against the running draft (see module doc), its sha256
+    computed in a thread meanwhile; `version` None takes codraft.json's. Raises SwapError 404
+    (no such path) or 422 (anything wrong with the checkpoint)."""
     root = Path(path)
     if not root.exists():
         raise SwapError(404, f"draft checkpoint not found: {path} does not exist")
     contract = DraftContract.of(running.config, exact=True)
     contract = DraftContract(**{**vars(contract), "target_fingerprint": fingerprint})
     try:
-        cfg, meta, weights = load_checked(root, contract)
+        checked = read_checked(root, contract, pool)
     except DraftCheckpointError as e:
         raise SwapError(422, f"draft checkpoint rejected: {e}") from None
-    if meta.version != version:
+    try:
+        _check_fits(checked.cfg, checked.meta, root, version, sha256, running)
+    except BaseException:
+        try:  # a checksum error comes first, as in load_checked
+            _verify_sha(checked)
+        finally:
+            checked.release()
+        raise
+    meta = checked.meta
+    slot = DraftSlot(
+        meta.version, meta.weights_sha256, str(root), utc_now(), checked.cfg, checked.tensors
+    )
+    return OpenedDraft(slot, checked)
+
+
+def _check_fits(
+    cfg: DraftConfig,
+    meta: DraftMeta,
+    root: Path,
+    version: int | None,
+    sha256: str | None,
+    running: DraftSlot,
+) -> None:
+    if version is not None and meta.version != version:
         raise SwapError(
             422,
             f"{root / META_NAME} records version {meta.version}, the request says {version}: "
@@ -184,7 +207,19 @@ def prepare_draft(
             f"draft checkpoint rejected: {root}: config differs from the running draft, which "
             "cannot change shape or constants in place: " + "; ".join(differ),
         )
-    return DraftSlot(version, meta.weights_sha256, str(root), utc_now(), cfg, weights)
+
+
+def prepare_draft(
+    path: str, version: int, sha256: str | None, running: DraftSlot, fingerprint: str | None
+) -> DraftSlot:
+    """`open_draft` and its checksum: a checked draft whose weights may be installed."""
+    opened = open_draft(path, version, sha256, running, fingerprint)
+    try:
+        opened.verify()
+    except SwapError:
+        opened.checked.release()
+        raise
+    return opened.slot
 
 
 class _DropSharedWarnings(logging.Filter):

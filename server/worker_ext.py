@@ -15,17 +15,26 @@ RPC interface (all values plain JSON types):
 - `codraft_info()` -> {"ok", "draft": {"version", "sha256", "path", "loaded_at", "tap_layers",
   "previous_version"}, "policy": {"version", "path", "loaded_at"}, "tap": {"enabled", "mode",
   "sample_rate", "endpoint"}, "vllm_version"}
-- `codraft_prepare_draft(path, version, sha256=None)` -> {"ok", "ticket", "version", "ready":
-  False}: starts reading, hashing, checking and staging the checkpoint in a background thread
-  (server.draft_swap); 409 when version is not above the current one, 404 when path does not
-  exist, 422 on malformed arguments. Returns at once.
-- `codraft_commit_draft(ticket)` -> {"ok", "ready": False, "elapsed_ms"} while the thread runs;
-  then {"ok", "ready": True, "draft", "timing_ms": {"queued_ms", "read_check_ms", "stage_ms",
-  "prepare_ms", "prepare_cpu_ms", "install_ms"}}, or the preparation's error: 422 when the
+- `codraft_prepare_draft(path, version=None, sha256=None)` -> {"ok", "ticket", "version",
+  "ready": False}: starts reading, hashing, checking and staging the checkpoint in a background
+  thread (server.draft_swap); 409 when version is not above the current one, 404 when path does
+  not exist, 422 on malformed arguments. Returns at once. Supersedes the staged draft (one is
+  kept). `version` None: the checkpoint's own (409 from the thread when not newer).
+- `codraft_commit_draft(ticket)` -> {"ok", "ready": False, "ticket", "elapsed_ms"} while the
+  thread runs (or, with "restarted": True and a new ticket, when a file changed since the
+  prepare); then {"ok", "ready": True, "draft", "timing_ms": {"queued_ms", "read_check_ms",
+  "stage_ms", "prepare_ms", "prepare_cpu_ms", "read_ms", "check_ms", "hash_ms",
+  "hash_wait_ms", stage parts, "install_ms"}}, or the preparation's error: 422 when the
   checkpoint fails a check (contract, shapes, vocab, tap layers, checksum, truncated or missing
   files, version differing from its codraft.json), 404, 500 when writing the weights failed (the
   previous draft is restored); 409 for a ticket that is not the latest prepared one or a version
   no longer newer. The previous draft is kept for rollback.
+- `codraft_swap_draft(path, version, sha256=None)` -> as `codraft_commit_draft`, plus
+  "prepared_ahead": commits the staged draft when it is this checkpoint (files unchanged since
+  its prepare), else prepares it (the caller then polls `codraft_commit_draft(ticket)`).
+- `codraft_staged_draft()` -> {"ok", "staged": {"ticket", "path", "version", "state":
+  "preparing" | "ready" | "failed", "elapsed_ms", "files_changed", "status", "error",
+  "sha256", "timing_ms"}}; 404 when no draft is staged.
 - `codraft_load_draft(path, version, sha256=None)` -> as a ready commit: both phases in one RPC
   (the engine does not step meanwhile).
 - `codraft_rollback_draft(reason="manual")` -> {"ok", "draft", "rolled_back_from"}; 409 when
@@ -215,6 +224,15 @@ class CodraftEngine(StepListener):
                 503,
                 "codraft adds an aux layer after the engine is built, which CUDA graphs "
                 "captured before would not see: run with enforce_eager=True for now",
+            )
+        if getattr(self.vllm_config.scheduler_config, "async_scheduling", False):
+            # vLLM 0.26 on CUDA turns it on by default with EAGLE (codraft serve and the GPU
+            # benchmark turn it off: server.compat.Traits.engine_defaults); the CPU build never
+            # uses it. With it, a step's tokens and positions are settled one step later.
+            raise SwapError(
+                503,
+                "codraft's capture needs async scheduling off: start the engine with "
+                "async_scheduling=False (vllm serve: --no-async-scheduling)",
             )
 
     def _wrap_shutdown(self) -> None:
@@ -473,11 +491,19 @@ class CodraftWorkerExtension:
     def codraft_load_draft(self, path: str, version: int, sha256: str | None = None) -> dict:
         return self._codraft_call(lambda e: e.swapped(e.swapper.load(path, version, sha256)))
 
-    def codraft_prepare_draft(self, path: str, version: int, sha256: str | None = None) -> dict:
+    def codraft_prepare_draft(
+        self, path: str, version: int | None = None, sha256: str | None = None
+    ) -> dict[str, Any]:
         return self._codraft_call(lambda e: e.swapper.prepare(path, version, sha256))
 
     def codraft_commit_draft(self, ticket: str) -> dict[str, Any]:
         return self._codraft_call(lambda e: e.swapped(e.swapper.commit(ticket)))
+
+    def codraft_swap_draft(self, path: str, version: int, sha256: str | None = None) -> dict:
+        return self._codraft_call(lambda e: e.swapped(e.swapper.swap(path, version, sha256)))
+
+    def codraft_staged_draft(self) -> dict[str, Any]:
+        return self._codraft_call(lambda e: e.swapper.staged())
 
     def codraft_rollback_draft(self, reason: str = "manual") -> dict[str, Any]:
         return self._codraft_call(lambda e: e.rollback(f"manual: {reason}"))

@@ -75,6 +75,9 @@ class StubEngine:
         self.tap = {"enabled": False, "mode": "full", "sample_rate": 1.0, "endpoint": None}
         self.fail: dict[str, int] = {}
         self.calls: Counter[str] = Counter()
+        self.staged: dict[str, Any] | None = None
+        self.serial = 0
+        self.preparing_polls = 0  # GET /v1/draft/prepare says "preparing" this many times
 
     @staticmethod
     def _slot(version: int, path: str, sha: str) -> dict[str, Any]:
@@ -127,23 +130,48 @@ class StubEngine:
             "policy_version": self.policy["version"],
         }
 
-    def codraft_prepare_draft(self, path: str, version: int, sha256: str | None = None) -> dict:
+    def codraft_prepare_draft(
+        self, path: str, version: int | None = None, sha256: str | None = None
+    ) -> dict:
         """First half of a swap (server.draft_swap): checks that need no reading, a ticket."""
-        if version <= self.current["version"]:
+        if version is not None and version <= self.current["version"]:
             return _refuse(409, f"draft version {version} is not newer than the serving version "
                            f"{self.current['version']}")  # fmt: skip
         if not os.path.isdir(path):
             return _refuse(404, f"{path} does not exist")
-        self.staged = {"ticket": f"t{version}", "path": path, "version": version, "sha256": sha256}
+        self.serial += 1
+        self.staged = {"ticket": f"t{self.serial}", "path": path, "version": version,
+                       "sha256": sha256}  # fmt: skip
         return {"ok": True, "ticket": self.staged["ticket"], "version": version, "ready": False}
+
+    def codraft_staged_draft(self) -> dict[str, Any]:
+        """The staged draft; "preparing" for the first `preparing_polls` questions."""
+        st = self.staged
+        if st is None:
+            return _refuse(404, "no draft is staged")
+        self.preparing_polls -= 1
+        state = "preparing" if self.preparing_polls >= 0 else "ready"
+        keys = ("ticket", "path", "version")
+        return {"ok": True, "staged": {**{k: st[k] for k in keys}, "state": state}}
+
+    def codraft_swap_draft(self, path: str, version: int, sha256: str | None = None) -> dict:
+        """POST /v1/draft: commit the staged draft if it is this one, else prepare it."""
+        st = self.staged
+        if st is not None and st["path"] == path and st["version"] in (None, version):
+            st.update(version=version, sha256=sha256 or st["sha256"])
+            return {**self.codraft_commit_draft(st["ticket"]), "prepared_ahead": True}
+        return {**self.codraft_prepare_draft(path, version, sha256), "prepared_ahead": False}
 
     def codraft_commit_draft(self, ticket: str) -> dict[str, Any]:
         """Second half: the reading and checksum (here, not in a thread), then the install."""
-        st = getattr(self, "staged", None)
+        st = self.staged
         if st is None or st["ticket"] != ticket:
             return _refuse(409, f"ticket {ticket!r} is not the latest prepared draft")
         self.staged = None
-        reply = self.codraft_load_draft(st["path"], st["version"], st["sha256"])
+        version = st["version"]
+        if version is None:
+            version = json.loads((Path(st["path"]) / "codraft.json").read_text())["version"]
+        reply = self.codraft_load_draft(st["path"], version, st["sha256"])
         if reply.get("ok"):
             reply.update(ready=True, timing_ms={"prepare_ms": 0.0, "install_ms": 0.0})
         return reply
@@ -351,7 +379,7 @@ def test_every_route_with_typed_answers(server: ThreadServer, engine: StubEngine
         assert m["codraft_draft_version"] == 0 and m["codraft_policy_version"] == 3
         assert m['codraft_draft_acceptance_length{version="0"}'] == 2.2
         assert m["codraft_tap_messages_sent_total"] == 7
-    assert engine.calls["codraft_prepare_draft"] == engine.calls["codraft_commit_draft"] == 1
+    assert engine.calls["codraft_swap_draft"] == engine.calls["codraft_commit_draft"] == 1
 
 
 def test_auth_header_from_argument_or_environment(server, engine, monkeypatch):
@@ -416,7 +444,7 @@ def test_get_retries_on_5xx_post_never(server, engine):
         assert transport.sent.count("GET /v1/draft") == 3 + 4
 
         transport.sent.clear()
-        engine.fail["codraft_prepare_draft"] = 1
+        engine.fail["codraft_swap_draft"] = 1
         with pytest.raises(CodraftHTTPError, match="injected failure") as e:
             c.load_draft(1, "/p")
         assert e.value.status == 502 and transport.sent == ["POST /v1/draft"]
@@ -512,7 +540,7 @@ def test_async_client_matches_the_sync_one(server, engine, tmp_path):
         async with AsyncCodraftClient(server.url, TOKEN, retry=FAST, transport=transport) as c:
             engine.fail["codraft_stats"] = 1
             await c.draft()
-            engine.fail["codraft_prepare_draft"] = 1
+            engine.fail["codraft_swap_draft"] = 1
             with pytest.raises(CodraftHTTPError) as e:
                 await c.load_draft(9, "/p")
             return transport.sent, e.value.status
@@ -520,6 +548,88 @@ def test_async_client_matches_the_sync_one(server, engine, tmp_path):
     sent, status = asyncio.run(retries())
     assert status == 502
     assert sent == ["GET /v1/draft"] * 2 + ["POST /v1/draft"]
+
+
+def test_publish_draft_stages_ahead_and_the_swap_only_installs(server, engine, tmp_path):
+    sha = write_checkpoint(tmp_path / "v1", 1)
+    write_checkpoint(tmp_path / "v2", 2)
+    v1, v2 = str(tmp_path / "v1"), str(tmp_path / "v2")
+
+    def script_sync(transport: Counting) -> list[Any]:
+        with CodraftClient(server.url, TOKEN, retry=FAST, transport=transport) as c:
+            staged = c.prepare_draft(v1)  # version from codraft.json
+            out: list[Any] = [staged.state, staged.version]
+            out.append(c.staged_draft().ticket == staged.ticket)
+            engine.preparing_polls = 2
+            out.append(c.publish_draft(1, v1, sha))
+            for bad in (lambda: c.publish_draft(2, v2, "f" * 64), lambda: c.prepare_draft(v1, 1)):
+                try:
+                    bad()
+                except CodraftHTTPError as e:
+                    out.append((type(e), e.status))
+            try:
+                c.staged_draft()
+            except NotFound as e:
+                out.append(e.status)
+            return out
+
+    async def script_async(transport: AsyncCounting) -> list[Any]:
+        async with AsyncCodraftClient(server.url, TOKEN, retry=FAST, transport=transport) as c:
+            staged = await c.prepare_draft(v1)
+            out: list[Any] = [staged.state, staged.version]
+            out.append((await c.staged_draft()).ticket == staged.ticket)
+            engine.preparing_polls = 2
+            out.append(await c.publish_draft(1, v1, sha))
+            for bad in (c.publish_draft(2, v2, "f" * 64), c.prepare_draft(v1, 1)):
+                try:
+                    await bad
+                except CodraftHTTPError as e:
+                    out.append((type(e), e.status))
+            try:
+                await c.staged_draft()
+            except NotFound as e:
+                out.append(e.status)
+            return out
+
+    def untimed(results: list) -> list:
+        return [r.model_copy(update={"timing_ms": None}) if hasattr(r, "timing_ms") else r
+                for r in results]  # fmt: skip
+
+    transport = Counting()
+    first = untimed(script_sync(transport))
+    assert first[:3] == ["preparing", None, True]
+    assert (first[3].version, first[3].sha256, first[3].previous_version) == (1, sha, 0)
+    assert first[4:] == [(ContractError, 422), (NotNewer, 409), 404]
+    # the publish: prepare, wait while "preparing", then one swap that only commits
+    publish = transport.sent[2:7]
+    assert publish == ["POST /v1/draft/prepare"] + ["GET /v1/draft/prepare"] * 3 + [
+        "POST /v1/draft"
+    ], transport.sent
+    assert engine.calls["codraft_swap_draft"] == 2 and engine.calls["codraft_commit_draft"] == 0
+    engine.__init__()  # same starting state
+    async_transport = AsyncCounting()
+    second = untimed(asyncio.run(script_async(async_transport)))
+    assert first == second and async_transport.sent == transport.sent
+
+
+def test_learner_publisher_prepares_then_commits(server, engine, tmp_path):
+    from learner.online.publisher import Publisher
+
+    sha = write_checkpoint(tmp_path / "v4", 4)
+    transport = Counting()
+    with CodraftClient(server.url, TOKEN, retry=FAST, transport=transport) as c:
+        publisher = Publisher(c, attempts=2, backoff_s=0.01)
+        outcome = publisher.publish(tmp_path / "v4")
+        assert (outcome.ok, outcome.status, outcome.server_version) == (True, 200, 4)
+        assert engine.current["sha256"] == sha
+        assert transport.sent[:1] == ["POST /v1/draft/prepare"]
+        assert transport.sent[-1] == "POST /v1/draft"
+        again = publisher.publish(tmp_path / "v4")  # not newer any more: the server's version
+        assert (again.ok, again.status, again.server_version) == (False, 409, 4)
+        write_checkpoint(tmp_path / "v5", 5, recorded_sha="b" * 64)
+        bad = publisher.publish(tmp_path / "v5")
+        assert (bad.ok, bad.status) == (False, 422) and "sha256" in bad.message
+        assert engine.current["version"] == 4
 
 
 def test_openai_package_and_the_draft_version_header(server: ThreadServer, engine: StubEngine):
@@ -601,10 +711,16 @@ def test_cli_draft_policy_tap_and_exit_codes(
     auth = ["--server", server.url, "--token-file", str(token_file)]
     sha = write_checkpoint(tmp_path / "v3", 3)
 
-    # version and sha256 from the folder
+    # version and sha256 from the folder; staged first, then installed
+    assert cli("draft", "prepare", "--path", str(tmp_path / "v3"), *auth) == 0
+    assert "draft v3 being staged" in capsys.readouterr().out
+    assert engine.staged["path"] == os.path.realpath(tmp_path / "v3")
+    assert engine.current["version"] == 0
     assert cli("draft", "load", "--path", str(tmp_path / "v3"), *auth) == 0
     assert "draft v3 serving" in capsys.readouterr().out and engine.current["sha256"] == sha
     assert engine.current["path"] == os.path.realpath(tmp_path / "v3")
+    assert engine.calls["codraft_prepare_draft"] == 2  # `load` stages too, then commits
+    assert engine.calls["codraft_swap_draft"] == 1 and engine.calls["codraft_commit_draft"] == 0
     # the server refuses: exit 1, its message on stderr
     assert cli("draft", "load", "--path", str(tmp_path / "v3"), *auth) == 1
     assert "not newer than the serving version 3" in capsys.readouterr().err

@@ -57,6 +57,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 CONTROL_ROUTES = [
     ("GET", "/v1/draft", None),
     ("POST", "/v1/draft", {"version": 99, "path": "/nonexistent"}),
+    ("POST", "/v1/draft/prepare", {"version": 99, "path": "/nonexistent"}),
+    ("GET", "/v1/draft/prepare", None),
     ("POST", "/v1/draft/rollback", {}),
     ("POST", "/v1/policy", {"version": 0, "path": "/nonexistent"}),
     ("GET", "/v1/tap", None),
@@ -168,6 +170,8 @@ def test_control_routes_need_the_token_openai_routes_do_not(server: ServeProcess
     expect = {
         ("GET", "/v1/draft"): 200,
         ("POST", "/v1/draft"): 404,  # no such checkpoint
+        ("POST", "/v1/draft/prepare"): 404,
+        ("GET", "/v1/draft/prepare"): 404,  # nothing staged
         ("POST", "/v1/draft/rollback"): 409,  # nothing to roll back to yet
         ("POST", "/v1/policy"): 409,  # version 0 is not newer
         ("GET", "/v1/tap"): 200,
@@ -461,6 +465,158 @@ def test_bad_checkpoints_are_refused_and_the_old_draft_keeps_serving(
     assert r.headers["x-codraft-draft-version"] == str(before["version"])
 
 
+# ------------------------------------------------------------------------------ prepared ahead
+def _prepare(server: ServeProcess, **body: Any) -> httpx.Response:
+    url = f"{server.control_url}/v1/draft/prepare"
+    return httpx.post(url, json=body, headers=AUTH, timeout=60)
+
+
+def _swap(server: ServeProcess, **body: Any) -> httpx.Response:
+    return httpx.post(f"{server.control_url}/v1/draft", json=body, headers=AUTH, timeout=120)
+
+
+def _staged(server: ServeProcess, ticket: str, timeout: float = 120.0) -> dict:
+    """GET /v1/draft/prepare until `ticket` is no longer preparing."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.get(f"{server.control_url}/v1/draft/prepare", headers=AUTH, timeout=30)
+        assert r.status_code == 200, r.text
+        st = r.json()
+        assert st["ticket"] == ticket, st
+        if st["state"] != "preparing":
+            return st
+        assert time.monotonic() < deadline, f"still preparing after {timeout} s: {st}"
+        time.sleep(0.05)
+
+
+def _assert_lossless(server: ServeProcess, reference: dict, version: int) -> None:
+    for prompt in PROMPTS[:3]:
+        r = _complete(server, prompt)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == reference[prompt], prompt
+        assert r.headers["x-codraft-draft-version"] == str(version)
+
+
+@pytest.mark.vllm
+def test_a_draft_prepared_ahead_is_only_installed_by_its_swap(
+    server: ServeProcess, stack, tiny_llama_dir: Path, work: Path
+) -> None:
+    before = _draft_now(server)
+    v = before["version"] + 1
+    (path,) = _write_drafts(tiny_llama_dir, work / "ahead", range(v, v + 1))
+    sha = sha256_file(path / "model.safetensors")
+    r = _prepare(server, path=str(path))  # the version is the checkpoint's own
+    assert r.status_code == 202, r.text
+    assert r.json()["state"] == "preparing" and r.json()["ticket"]
+    st = _staged(server, r.json()["ticket"])
+    assert (st["state"], st["version"], st["sha256"]) == ("ready", v, sha), st
+    assert st["timing_ms"]["prepare_ms"] > 0 and st["files_changed"] is False
+    now = _draft_now(server)
+    assert (now["version"], now["sha256"]) == (before["version"], before["sha256"])
+    r = _swap(server, version=v, path=str(path), sha256=sha)
+    assert r.status_code == 200, r.text
+    d, t = r.json(), r.json()["timing_ms"]
+    assert (d["version"], d["sha256"], d["previous_version"]) == (v, sha, before["version"])
+    assert t["prepared_ahead"] is True and t["commit_rpcs"] == 1, t
+    assert t["install_ms"] < 50, t
+    r = httpx.get(f"{server.control_url}/v1/draft/prepare", headers=AUTH, timeout=30)
+    assert r.status_code == 404, "the committed draft is still staged"
+    _assert_lossless(server, stack[1], v)
+
+
+@pytest.mark.vllm
+def test_a_swap_without_prepare_still_prepares_and_installs(
+    server: ServeProcess, stack, tiny_llama_dir: Path, work: Path
+) -> None:
+    v = _draft_now(server)["version"] + 1
+    (path,) = _write_drafts(tiny_llama_dir, work / "one-call", range(v, v + 1))
+    sha = sha256_file(path / "model.safetensors")
+    r = _swap(server, version=v, path=str(path), sha256=sha)
+    assert r.status_code == 200, r.text
+    t = r.json()["timing_ms"]
+    assert (r.json()["version"], r.json()["sha256"]) == (v, sha)
+    assert t["prepared_ahead"] is False and t["commit_rpcs"] >= 2 and t["prepare_ms"] > 0, t
+    _assert_lossless(server, stack[1], v)
+
+
+@pytest.mark.vllm
+def test_a_failed_prepare_keeps_the_old_draft_and_fails_its_swap(
+    server: ServeProcess, stack, tiny_llama_dir: Path, work: Path
+) -> None:
+    before = _draft_now(server)
+    v = before["version"] + 1
+
+    def fc_wrong(t: dict) -> None:
+        t["fc.weight"] = torch.zeros(64, 2 * 64)
+
+    bad = write_new_draft(
+        work / "ahead-bad" / "shapes", tiny_llama_dir, version=v, draft_vocab_size=DRAFT_VOCAB
+    )
+    _resave(bad, fc_wrong)
+    r = _prepare(server, path=str(bad), version=v)
+    assert r.status_code == 202, r.text  # the checks run in the background
+    st = _staged(server, r.json()["ticket"])
+    assert (st["state"], st["status"]) == ("failed", 422) and "fc.weight" in st["error"], st
+    r = _swap(server, version=v, path=str(bad))
+    assert r.status_code == 422 and r.json()["detail"] == st["error"], r.text
+    now = _draft_now(server)
+    assert (now["version"], now["sha256"]) == (before["version"], before["sha256"])
+    # what can be refused at once is refused at once, as by POST /v1/draft
+    immediate = {
+        "missing folder": ({"path": str(work / "ahead-bad" / "nothing"), "version": v}, 404),
+        "older version": ({"path": before["path"], "version": before["version"]}, 409),
+        "bad sha256": ({"path": str(bad), "version": v, "sha256": "abc"}, 422),
+        "no path": ({"version": v}, 422),
+    }
+    for name, (body, status) in immediate.items():
+        r = _prepare(server, **body)
+        assert r.status_code == status, (name, r.text)
+        assert r.json()["detail"], (name, r.text)
+        if "path" in body and "version" in body:
+            assert _swap(server, **body).status_code == status, name
+    now = _draft_now(server)
+    assert (now["version"], now["sha256"]) == (before["version"], before["sha256"])
+    _assert_lossless(server, stack[1], before["version"])
+
+
+@pytest.mark.vllm
+def test_a_swap_of_other_files_than_the_prepared_ones_prepares_them(
+    server: ServeProcess, stack, tiny_llama_dir: Path, work: Path
+) -> None:
+    v = _draft_now(server)["version"] + 1
+    a, b = _write_drafts(tiny_llama_dir, work / "stale", range(v, v + 2))
+    other = write_new_draft(
+        work / "stale" / "other", tiny_llama_dir, version=v, draft_vocab_size=DRAFT_VOCAB, seed=99
+    )
+    sha_b = sha256_file(other / "model.safetensors")
+    # another path than the prepared one
+    st = _staged(server, _prepare(server, path=str(a)).json()["ticket"])
+    assert st["state"] == "ready"
+    r = _swap(server, version=v, path=str(other))
+    assert r.status_code == 200, r.text
+    assert (r.json()["sha256"], r.json()["timing_ms"]["prepared_ahead"]) == (sha_b, False)
+    # the prepared path itself, rewritten after its prepare (as a new checkpoint is: renamed in)
+    staged_sha = sha256_file(b / "model.safetensors")
+    st = _staged(server, _prepare(server, path=str(b), version=v + 1).json()["ticket"])
+    assert (st["state"], st["sha256"]) == ("ready", staged_sha)
+    fresh = write_new_draft(
+        work / "stale" / "fresh", tiny_llama_dir, version=v + 1, draft_vocab_size=DRAFT_VOCAB,
+        seed=7,
+    )  # fmt: skip
+    fresh_sha = sha256_file(fresh / "model.safetensors")
+    assert fresh_sha != staged_sha
+    os.rename(b, work / "stale" / "replaced")
+    os.rename(fresh, b)
+    r = httpx.get(f"{server.control_url}/v1/draft/prepare", headers=AUTH, timeout=30)
+    assert r.json()["files_changed"] is True, r.text
+    r = _swap(server, version=v + 1, path=str(b))
+    assert r.status_code == 200, r.text
+    assert r.json()["timing_ms"]["prepared_ahead"] is False, "the stale staged draft was used"
+    assert (r.json()["version"], r.json()["sha256"]) == (v + 1, fresh_sha)
+    assert _draft_now(server)["sha256"] == fresh_sha
+    _assert_lossless(server, stack[1], v + 1)
+
+
 @pytest.mark.vllm
 def test_rollback_over_http(server: ServeProcess, stack) -> None:
     reference = stack[1]
@@ -601,8 +757,9 @@ INFO = {"ok": True, "draft": DRAFT, "policy": {"version": 0}, "tap": {"enabled":
 def _swap_replies() -> dict[str, Any]:
     timing = {"prepare_ms": 40.0, "install_ms": 1.0}
     return {
-        "codraft_prepare_draft": {"ok": True, "ticket": "t", "ready": False},
+        "codraft_swap_draft": {"ok": True, "ticket": "t", "ready": False, "prepared_ahead": False},
         "codraft_commit_draft": {"ok": True, "ready": True, "draft": DRAFT, "timing_ms": timing},
+        "codraft_prepare_draft": {"ok": True, "ticket": "t9", "version": None, "ready": False},
     }
 
 
@@ -625,9 +782,10 @@ def test_draft_swap_polls_until_prepared_and_reports_its_parts() -> None:
         r = c.post("/v1/draft", json={"version": 4, "path": "/p"}, headers=AUTH)
         assert r.status_code == 200, r.text
         timing = r.json()["timing_ms"]
-        assert r.json()["version"] == DRAFT["version"] and timing["commit_rpcs"] == 3
-        assert timing["total_ms"] >= timing["prepare_rpc_ms"] >= 50  # the fake's 50 ms
+        assert r.json()["version"] == DRAFT["version"] and timing["commit_rpcs"] == 1 + 3
+        assert timing["total_ms"] >= timing["first_rpc_ms"] >= 50  # the fake's 50 ms
         assert timing["wait_ms"] == timing["total_ms"] - 41.0
+        assert timing["prepared_ahead"] is False
     assert [m for m, _ in engine.calls].count("codraft_commit_draft") == 3
 
 
@@ -638,7 +796,7 @@ def test_engine_replies_map_to_http_statuses() -> None:
         {
             "codraft_info": INFO,
             "codraft_stats": {"ok": True, "acceptance": {"3": {"drafts": 1}}},
-            "codraft_prepare_draft": {"ok": True, "ticket": "t1", "ready": False},
+            "codraft_swap_draft": {"ok": True, "ticket": "t1", "ready": False},
             "codraft_commit_draft": {"ok": False, "status": 422, "error": "tap layers: expected"},
             "codraft_rollback_draft": {"ok": False, "status": 99, "error": "odd status"},
             "codraft_set_tap": ["not", "a", "dict"],
@@ -651,7 +809,7 @@ def test_engine_replies_map_to_http_statuses() -> None:
         r = c.post("/v1/draft", json={"version": 4, "path": "/p"}, headers=AUTH)
         assert (r.status_code, r.json()) == (422, {"detail": "tap layers: expected"})
         assert engine.calls[-2:] == [
-            ("codraft_prepare_draft", {"path": "/p", "version": 4, "sha256": None}),
+            ("codraft_swap_draft", {"path": "/p", "version": 4, "sha256": None}),
             ("codraft_commit_draft", {"ticket": "t1"}),
         ]
         r = c.post("/v1/draft/rollback", headers=AUTH)
@@ -660,7 +818,7 @@ def test_engine_replies_map_to_http_statuses() -> None:
         assert r.status_code == 502 and "expected a dict" in r.json()["detail"]
         r = c.post("/v1/policy", json={"version": 1, "path": "/p"}, headers=AUTH)
         assert r.status_code == 502 and "no codraft_load_policy" in r.json()["detail"]
-        engine.replies["codraft_prepare_draft"] = "hang"
+        engine.replies["codraft_swap_draft"] = "hang"
         r = c.post("/v1/draft", json={"version": 4, "path": "/p"}, headers=AUTH)
         assert r.status_code == 504, r.text
         engine.replies["codraft_info"] = {"ok": True, "draft": {"version": None}}
@@ -678,9 +836,10 @@ def test_checkpoint_root_confines_loaded_paths(tmp_path: Path) -> None:
     engine = FakeEngine({"codraft_info": INFO, **_swap_replies()})
     with TestClient(_fake_app(engine, checkpoint_root=str(root))) as c:
         for bad in (tmp_path / "elsewhere", root / "escape", root / ".." / "elsewhere"):
-            r = c.post("/v1/draft", json={"version": 4, "path": str(bad)}, headers=AUTH)
-            assert r.status_code == 403 and "checkpoint root" in r.json()["detail"], r.text
-        assert not [m for m, _ in engine.calls if m == "codraft_prepare_draft"]
+            for route in ("/v1/draft", "/v1/draft/prepare"):
+                r = c.post(route, json={"version": 4, "path": str(bad)}, headers=AUTH)
+                assert r.status_code == 403 and "checkpoint root" in r.json()["detail"], r.text
+        assert not [m for m, _ in engine.calls if m != "codraft_info"]
         r = c.post("/v1/draft", json={"version": 4, "path": str(root / "v4")}, headers=AUTH)
         assert r.status_code == 200
         assert engine.calls[-2][1]["path"] == os.path.realpath(root / "v4")
@@ -709,12 +868,61 @@ def test_policy_load_resets_the_prefix_cache_and_swaps_run_one_at_a_time() -> No
                     for i in range(5)
                 ),
                 c.post("/v1/policy", json={"version": 1, "path": "/p"}, headers=AUTH),
+                *(c.post("/v1/draft/prepare", json={"path": "/p"}, headers=AUTH) for _ in "ab"),
             )
             return [r.status_code for r in rs]
 
-    assert asyncio.run(main()) == [200] * 6
+    assert asyncio.run(main()) == [200] * 6 + [202] * 2
     assert engine.max_active == 1, "two swaps ran at the same time"
     assert ("reset_prefix_cache", {"running": True}) in engine.calls
+
+
+def test_prepare_route_answers_202_and_refuses_what_a_swap_refuses() -> None:
+    from fastapi.testclient import TestClient
+
+    staged = {"ticket": "t9", "path": "/p", "state": "failed", "status": 422, "error": "bad"}
+    engine = FakeEngine({"codraft_info": INFO, **_swap_replies()})
+    engine.replies["codraft_staged_draft"] = {"ok": False, "status": 404, "error": "none staged"}
+    with TestClient(_fake_app(engine)) as c:
+        r = c.post("/v1/draft/prepare", json={"path": "/p"}, headers=AUTH)
+        assert r.status_code == 202, r.text
+        assert (r.json()["ticket"], r.json()["state"]) == ("t9", "preparing")
+        assert engine.calls[-1] == (
+            "codraft_prepare_draft",
+            {"path": "/p", "version": None, "sha256": None},
+        )
+        bodies = [
+            b"{not json",
+            b"[1, 2]",
+            b"",
+            {"version": -1, "path": "/x"},
+            {"version": "1", "path": "/x"},
+            {"version": 1, "path": "/x", "sha256": "abc"},
+            {"version": 1, "path": "/x", "extra": 1},
+            {"version": 1, "path": ""},
+            {"version": 2**70, "path": "/x"},
+            b'{"version": 1, "path": "' + b"a" * 20000 + b'"}',
+        ]
+        sent = len(engine.calls)
+        for body in bodies:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            swap, prepare = (
+                c.post(route, content=content, headers=AUTH)
+                for route in ("/v1/draft", "/v1/draft/prepare")
+            )
+            assert swap.status_code == prepare.status_code, (body, swap.text, prepare.text)
+            assert prepare.status_code in (413, 422) and prepare.json()["detail"], prepare.text
+        assert len(engine.calls) == sent, "a malformed body reached the engine"
+        assert c.post("/v1/draft/prepare", json={"path": "/p"}).status_code == 401
+        assert c.get("/v1/draft/prepare").status_code == 401
+        engine.replies["codraft_prepare_draft"] = {"ok": False, "status": 409, "error": "old"}
+        r = c.post("/v1/draft/prepare", json={"path": "/p", "version": 1}, headers=AUTH)
+        assert (r.status_code, r.json()) == (409, {"detail": "old"})
+        r = c.get("/v1/draft/prepare", headers=AUTH)
+        assert (r.status_code, r.json()) == (404, {"detail": "none staged"})
+        engine.replies["codraft_staged_draft"] = {"ok": True, "staged": staged}
+        r = c.get("/v1/draft/prepare", headers=AUTH)
+        assert (r.status_code, r.json()) == (200, staged)
 
 
 def test_serve_config_token_exposure_and_vllm_args(tmp_path: Path, monkeypatch) -> None:

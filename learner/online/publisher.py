@@ -1,7 +1,10 @@
 """Publisher: tell the server to load a checkpoint the learner wrote, and make sense of its answer.
 
-The checkpoint is already complete on the shared disk (written atomically), so a publish is one
-`POST /v1/draft {version, path, sha256}`. Connection failures are retried with exponential
+The checkpoint is already complete on the shared disk (written atomically), so a publish is
+`POST /v1/draft/prepare {path, version, sha256}` (the server reads, hashes, checks and stages it
+in the background while it keeps serving), a wait until GET /v1/draft/prepare says it is
+staged, and `POST /v1/draft {version, path, sha256}`, which then only installs it
+(`CodraftClient.publish_draft`). Connection failures are retried with exponential
 backoff; a 409 (version not newer than the server's) means another learner or an earlier life of
 this one got ahead: the outcome carries the server's version so the caller can number its next
 draft above it; a 422 (contract or checksum) is a bug to report, not to retry.
@@ -43,7 +46,7 @@ class Publisher:
         delay = self.backoff_s
         for attempt in range(1, self.attempts + 1):
             try:
-                info = self.client.load_draft(
+                info = self.client.publish_draft(
                     meta.version, str(Path(draft_dir).resolve()), meta.weights_sha256
                 )
                 return PublishOutcome(True, 200, server_version=info.version)
