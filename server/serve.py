@@ -199,38 +199,32 @@ async def _check_engine_side(control: EngineControl, cfg: ServeConfig) -> None:
 
 async def serve(cfg: ServeConfig, args: argparse.Namespace, token: str | None) -> None:
     import uvicorn
-    from vllm import envs
-    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
-    from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.launcher import (
-        NoSignalServer,
-        create_server_socket,
-        serve_http,
-        setup_server,
-    )
 
+    from server.compat import serve_api
     from server.metrics import MetricsEndpoint, install_metrics
+
+    api = serve_api()  # where this vLLM release keeps its OpenAI server's pieces
+    envs = api.envs
 
     def interrupt_startup(*_: object) -> None:
         raise KeyboardInterrupt("terminated")
 
     signal.signal(signal.SIGTERM, interrupt_startup)  # serve_http installs its own later
     # Bind both ports before the engine starts, so a taken port fails fast.
-    listen_address, sock = setup_server(args, reuse_port=False)
+    listen_address, sock = api.setup_server(args, reuse_port=False)
     csock = None
     if cfg.control_port is not None:
         caddr = (cfg.effective_control_host, cfg.control_port)
-        csock = create_server_socket(caddr, reuse_port=False)
+        csock = api.create_server_socket(caddr, reuse_port=False)
     control_server = control_task = None
-    async with build_async_engine_client(args) as engine:
+    async with api.build_async_engine_client(args) as engine:
         control = EngineControl(engine, ControlSettings(checkpoint_root=cfg.checkpoint_root))
         await _check_engine_side(control, cfg)
         metrics = MetricsEndpoint(control)
 
         tasks = await engine.get_supported_tasks()
-        app = build_app(args, tasks, engine.model_config)
-        await init_app_state(engine, app.state, args, tasks)
+        app = api.build_app(args, tasks, engine.model_config)
+        await api.init_app_state(engine, app.state, args, tasks)
         capp = build_control_app(control, token, metrics)
         # The OpenAI port: vLLM's app with codraft's /metrics, /ready and, without a control
         # port, the control routes; the version headers around it all.
@@ -247,7 +241,7 @@ async def serve(cfg: ServeConfig, args: argparse.Namespace, token: str | None) -
                 access_log=not args.disable_uvicorn_access_log,
                 lifespan="off",
             )
-            control_server = NoSignalServer(config)
+            control_server = api.NoSignalServer(config)
             control_task = asyncio.get_running_loop().create_task(
                 control_server.serve(sockets=[csock])
             )
@@ -255,7 +249,7 @@ async def serve(cfg: ServeConfig, args: argparse.Namespace, token: str | None) -
         where = f"control on {_url(cfg.effective_control_host, csock)}" if csock else "control here"
         print(f"codraft serve: OpenAI API on {listen_address} ({where})", flush=True)
         serving = asyncio.get_running_loop().create_task(
-            serve_http(
+            api.serve_http(
                 app,
                 sock=sock,
                 enable_ssl_refresh=args.enable_ssl_refresh,

@@ -273,16 +273,19 @@ def vllm_argv(cfg: ServeConfig, model: Path, draft: Path) -> list[str]:
         passthrough, "--enable-prefix-caching", "--no-enable-prefix-caching"
     ):
         argv.append("--no-enable-prefix-caching")
-    return argv + passthrough
+    from server.compat import default_serve_args
+
+    # the installed release's engine defaults (vLLM 0.26: --no-async-scheduling), unless given
+    return argv + default_serve_args(passthrough) + passthrough
 
 
 def parse_vllm_args(argv: list[str]) -> argparse.Namespace:
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from server.compat import serve_api
 
-    parser = make_arg_parser(FlexibleArgumentParser(prog="codraft serve (vLLM arguments)"))
+    api = serve_api()
+    parser = api.make_arg_parser(api.FlexibleArgumentParser(prog="codraft serve (vLLM arguments)"))
     args = parser.parse_args(argv)
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
-    validate_parsed_serve_args(args)
+    api.validate_parsed_serve_args(args)
     return args

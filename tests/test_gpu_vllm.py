@@ -1,0 +1,152 @@
+"""The GPU serving kit (scripts/gpu_vllm/) and the vLLM-release switches in server.compat, checked
+without a GPU and without starting an engine."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+KIT = REPO / "scripts" / "gpu_vllm"
+
+
+def test_release_defaults_are_version_gated(monkeypatch: pytest.MonkeyPatch) -> None:
+    from server import compat
+    from server.serve_config import ServeConfig, vllm_argv
+
+    assert compat.engine_kwargs("0.32.0") == {}
+    assert compat.engine_kwargs("0.26.0") == {"async_scheduling": False}
+    assert compat.engine_kwargs("0.26.0", {"async_scheduling": True}) == {}
+    assert compat.default_serve_args([], "0.32.0") == []
+    assert compat.default_serve_args([], "0.26.0") == ["--no-async-scheduling"]
+    for given in (["--async-scheduling"], ["--no-async-scheduling"]):
+        assert compat.default_serve_args(given, "0.26.0") == []
+    assert compat.traits("0.26.0").serve_api == "openai"
+    assert compat.traits("0.32.0").serve_api == "launchers"
+
+    argv = vllm_argv(ServeConfig(), Path("/m"), Path("/d"))
+    assert "--no-async-scheduling" not in argv  # the CPU build: unchanged
+    monkeypatch.setattr(compat, "vllm_version", lambda: "0.26.0")
+    argv = vllm_argv(ServeConfig(vllm_args=["--max-num-seqs", "8"]), Path("/m"), Path("/d"))
+    assert argv[-3:] == ["--no-async-scheduling", "--max-num-seqs", "8"]
+    argv = vllm_argv(ServeConfig(vllm_args=["--async-scheduling"]), Path("/m"), Path("/d"))
+    assert "--no-async-scheduling" not in argv  # the caller's flag wins (the engine refuses it)
+
+
+def test_serve_api_resolves_on_the_installed_vllm() -> None:
+    from server import compat
+
+    api = compat.serve_api()
+    for name in (
+        "build_async_engine_client",
+        "build_app",
+        "init_app_state",
+        "setup_server",
+        "create_server_socket",
+        "serve_http",
+        "NoSignalServer",
+        "make_arg_parser",
+        "validate_parsed_serve_args",
+        "FlexibleArgumentParser",
+    ):
+        assert callable(getattr(api, name)), name
+    assert hasattr(api.envs, "VLLM_HTTP_TIMEOUT_KEEP_ALIVE")
+    # the 0.26 stand-in for NoSignalServer: a uvicorn server that leaves signals alone
+    server = compat._no_signal_server()(SimpleNamespace())
+    with server.capture_signals():
+        pass
+
+
+def test_worker_extension_refuses_async_scheduling() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from server.swap import SwapError
+    from server.worker_ext import CodraftEngine
+
+    def engine(async_scheduling: bool) -> SimpleNamespace:
+        cfg = SimpleNamespace(
+            speculative_config=SimpleNamespace(method="eagle3"),
+            parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+            compilation_config=SimpleNamespace(cudagraph_mode=None),
+            scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+        )
+        return SimpleNamespace(vllm_config=cfg, runner=GPUModelRunner.__new__(GPUModelRunner))
+
+    CodraftEngine._check_engine(engine(False))  # type: ignore[arg-type]
+    with pytest.raises(SwapError, match="async scheduling") as e:
+        CodraftEngine._check_engine(engine(True))  # type: ignore[arg-type]
+    assert e.value.status == 503
+
+
+def test_prompts_file_has_disjoint_train_and_heldout() -> None:
+    sys.path.insert(0, str(KIT))
+    from make_prompts import DEFAULT, load_prompts
+
+    data = load_prompts(DEFAULT)
+    assert len(data["heldout"]) == 64 and len(set(data["heldout"])) == 64
+    assert len(data["train"]) > 1000
+    assert not set(data["train"]) & set(data["heldout"])
+    assert DEFAULT.stat().st_size < 200_000  # it travels in every device call
+    raw = json.loads(gzip.decompress(DEFAULT.read_bytes()))
+    assert raw["train"] == data["train"]
+
+
+def test_kit_scripts_parse_and_smoke() -> None:
+    for script in ("install.sh", "run_all.sh"):
+        subprocess.run(["bash", "-n", str(KIT / script)], check=True)
+    r = subprocess.run(
+        [sys.executable, str(KIT / "bench_serving.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert r.returncode == 0 and "smoke ok" in r.stdout, r.stdout + r.stderr
+    assert "'async_scheduling': False" in r.stdout
+    for script in ("run_all.py", "cotrain.py", "check_vllm_src.py", "make_prompts.py"):
+        r = subprocess.run(
+            [sys.executable, str(KIT / script), "--help"], capture_output=True, text=True
+        )
+        assert r.returncode == 0, (script, r.stderr)
+
+
+def test_run_all_records_a_failing_phase_and_goes_on(tmp_path: Path) -> None:
+    """A phase whose python does not exist fails; the next phase still runs (phases run in
+    their fixed order); all is recorded in at most 8 flat files."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    r = subprocess.run(
+        [sys.executable, str(KIT / "run_all.py"), "--phases", "prepare,env", "--out", str(out),
+         "--work", str(work), "--python", str(tmp_path / "no-such-python"), "--budget-s", "60"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert r.returncode == 1, r.stdout + r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["phases"]) == ["env", "prepare"]
+    assert summary["phases"]["prepare"]["status"] == "failed"
+    assert summary["phases"]["env"]["status"] == "failed"
+    assert "nvidia_smi" in summary["env"]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["logs.tar.gz", "run.log", "summary.json"], files
+    assert "[prepare] FAILED" in (out / "run.log").read_text()
+
+
+@pytest.mark.skipif(
+    not (REPO / ".vllm-src" / "0.26.0" / "vllm").is_dir(), reason="no unpacked vLLM 0.26.0"
+)
+def test_codraft_fits_the_vllm_0_26_source() -> None:
+    r = subprocess.run(
+        [sys.executable, str(KIT / "check_vllm_src.py"), "--src", ".vllm-src/0.26.0"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    report = json.loads(r.stdout[r.stdout.index("{") : r.stdout.rindex("}") + 1])
+    assert report["hook_problems"] == [] and report["serve_async_scheduling"] is False
