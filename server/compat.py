@@ -55,7 +55,9 @@ SUPPORTED: dict[str, Traits] = {
     "0.32.0": Traits(draft_reload="inplace"),
     "0.26.0": Traits(
         draft_reload="layerwise",
-        env=(("VLLM_USE_V2_MODEL_RUNNER", "0"),),
+        # The lean wheel set has no flashinfer; 0.26's sampler imports it unguarded on CUDA
+        # unless its top-k/top-p path is switched off (the native sampler is used instead).
+        env=(("VLLM_USE_V2_MODEL_RUNNER", "0"), ("VLLM_USE_FLASHINFER_SAMPLER", "0")),
         engine_defaults=(("async_scheduling", False),),
         serve_api="openai",
     ),
