@@ -234,11 +234,16 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         control = CodraftClient(f"http://127.0.0.1:{cport}", token=token_file.read_text())
         t0 = time.time()
-        try:
-            control.wait_ready(timeout=args.ready_timeout)
-        except Exception as e:
-            tail = _tail(work / "server.log")
-            raise RuntimeError(f"codraft serve not ready ({e!r}); its log ends:\n{tail}") from e
+        while True:  # in short slices, so that a server that died is seen at once
+            try:
+                control.wait_ready(timeout=5.0)
+                break
+            except Exception as e:
+                dead = server.poll() is not None
+                if dead or time.time() - t0 > args.ready_timeout:
+                    why = f"exited with {server.returncode}" if dead else f"not ready ({e!r})"
+                    tail = _tail(work / "server.log")
+                    raise RuntimeError(f"codraft serve {why}; its log ends:\n{tail}") from e
         report["server_ready_s"] = time.time() - t0
         print(f"[cotrain] server ready in {report['server_ready_s']:.0f}s", flush=True)
         print(f"[cotrain] codraft learn (log {work / 'learner.log'})", flush=True)
