@@ -33,6 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=TrainConfig.draft_vocab_size)
     p.add_argument("--save-every", type=int, default=100, help="offline checkpoint interval")
     p.add_argument("--publish-every", type=int, default=20, help="online: steps per candidate")
+    p.add_argument(
+        "--publish-blocking",
+        action="store_true",
+        help="online: publish in the training loop (default: a background thread, training on)",
+    )
     p.add_argument("--min-buffer-tokens", type=int, default=1024)
     p.add_argument("--http-port", type=int, default=9100, help="online /health, /metrics (0: off)")
     p.add_argument("--recompute", action="store_true", help="run the target here for features")
@@ -86,6 +91,7 @@ def main(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         min_buffer_tokens=args.min_buffer_tokens,
         publish_every_steps=args.publish_every,
+        publish_in_background=not args.publish_blocking,
         max_steps=args.steps,
         max_seconds=args.max_seconds,
         train=TrainConfig(

@@ -11,7 +11,9 @@ The loop (one process; ingest and HTTP in background threads):
 4. every `publish_every_steps` the candidate is evaluated on held-out captured requests (offline
    acceptance estimate, learner.acceptance) against the draft the server is serving, and only a
    candidate that is not worse (within `accept_margin`) is checkpointed (atomically) and
-   published; versions are numbered above whatever the server reports.
+   published; versions are numbered above whatever the server reports. The publish runs in a
+   background thread (learner.online.publish_thread) while training goes on; its outcome is
+   applied in the loop, and a stopping learner lets the last publish finish.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from learner.online.buffer import BufferPolicy, SampleBuffer
 from learner.online.http import HttpThread, build_app
 from learner.online.ingest import TapIngest
 from learner.online.metrics import LearnerMetrics
-from learner.online.publisher import Publisher
+from learner.online.publish_thread import PublishJob, PublishThread
+from learner.online.publisher import Publisher, PublishOutcome
 from learner.teacher import load_embedding
 from learner.trainer import TrainConfig, Trainer
 
@@ -63,6 +66,8 @@ class OnlineConfig:
     accept_margin: float = 0.02
     max_steps: int | None = None
     max_seconds: float | None = None
+    publish_in_background: bool = True  # False: each publish blocks the training loop
+    publish_close_timeout_s: float = 60.0  # at shutdown, for the last publish to finish
     train: TrainConfig = field(default_factory=TrainConfig)
     buffer: BufferPolicy = field(default_factory=BufferPolicy)
 
@@ -74,6 +79,7 @@ class OnlineLearner:
         self.target_config = TargetConfig.from_pretrained(self.target_dir)
         self.client = client or CodraftClient(cfg.server, token=cfg.token)
         self.publisher = Publisher(self.client)
+        self.publishing = PublishThread(self._timed_publish) if cfg.publish_in_background else None
         self.metrics = LearnerMetrics()
         self.buffer = SampleBuffer(cfg.buffer, seed=cfg.train.seed)
         self.expect = TapExpectation(
@@ -86,6 +92,7 @@ class OnlineLearner:
         self.serving: Eagle3Draft | None = None  # what the server serves, for comparisons
         self.stop_event = threading.Event()
         self.published: list[int] = []
+        self._superseded_seen = 0
         self.http: HttpThread | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -118,6 +125,7 @@ class OnlineLearner:
                 ):
                     break
                 self._export_gauges()
+                self._apply_published()
                 if self.trainer is None and not self._start_trainer():
                     time.sleep(0.2)
                     continue
@@ -127,6 +135,9 @@ class OnlineLearner:
                 if self.trainer.step_count % self.cfg.publish_every_steps == 0:
                     self.maybe_publish()
         finally:
+            if self.publishing is not None:
+                self.publishing.close(self.cfg.publish_close_timeout_s)
+                self._apply_published()
             self.ingest.stop()
             if self.http:
                 self.http.stop()
@@ -249,15 +260,45 @@ class OnlineLearner:
         ckpt = trainer.save(
             counters={"est_acceptance": cand or 0.0}, policy_version=self.buffer.newest_policy
         )
-        outcome = self.publisher.publish(trainer.draft_dir(ckpt))
+        job = PublishJob(
+            trainer.draft_dir(ckpt),
+            trainer.draft_version,
+            payload={"draft": copy.deepcopy(trainer.draft).eval(), "acceptance": cand},
+        )
+        if self.publishing is not None:
+            self.publishing.submit(job)
+            return True
+        job.outcome = self._timed_publish(job.draft_dir)
+        return self._apply(job)
+
+    def _timed_publish(self, draft_dir: Path) -> PublishOutcome:
+        t0 = time.monotonic()
+        outcome = self.publisher.publish(draft_dir)
+        self.metrics.publish_seconds.set(time.monotonic() - t0)
+        return outcome
+
+    def _apply_published(self) -> None:
+        """Apply the outcomes of background publishes that finished."""
+        if self.publishing is None:
+            return
+        for job in self.publishing.drain():
+            self._apply(job)
+        superseded = self.publishing.superseded
+        self.metrics.publish_superseded.inc(superseded - self._superseded_seen)
+        self._superseded_seen = superseded
+
+    def _apply(self, job: PublishJob) -> bool:
+        outcome = job.outcome
+        assert outcome is not None, "a publish job is applied only once it has its outcome"
         if outcome.ok:
-            self.published.append(trainer.draft_version)
+            self.published.append(job.version)
             self.metrics.published.inc()
-            self.metrics.serving_version.set(trainer.draft_version)
-            self.serving = copy.deepcopy(trainer.draft).eval()
-            log.info("published draft v%d (est. acceptance %s)", trainer.draft_version, cand)
+            self.metrics.serving_version.set(job.version)
+            self.serving = job.payload["draft"]
+            est = job.payload["acceptance"]
+            log.info("published draft v%d (est. acceptance %s)", job.version, est)
             return True
         self.metrics.publish_failures.labels(status=str(outcome.status)).inc()
-        if outcome.status == 409 and outcome.server_version is not None:
-            trainer.draft_version = max(trainer.draft_version, outcome.server_version)
+        if outcome.status == 409 and outcome.server_version is not None and self.trainer:
+            self.trainer.draft_version = max(self.trainer.draft_version, outcome.server_version)
         return False

@@ -21,6 +21,14 @@ class LearnerMetrics:
         self.publish_failures = Counter(
             "codraft_learner_publish_failures", "publish attempts refused", ["status"], registry=r
         )
+        self.publish_superseded = Counter(
+            "codraft_learner_publish_superseded",
+            "checkpoints replaced by a newer one before their publish started",
+            registry=r,
+        )
+        self.publish_seconds = Gauge(
+            "codraft_learner_publish_seconds", "last publish: prepare, staging, commit", registry=r
+        )
         self.candidates_skipped = Counter(
             "codraft_learner_candidates_skipped", "candidates worse than serving", registry=r
         )
