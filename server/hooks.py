@@ -32,6 +32,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# Steps whose host-side first positions are checked against the device's (see _first_positions).
+HOST_POSITION_CHECKS = 16
+
 
 # ---------------------------------------------------------------------------- one step
 @dataclass
@@ -86,10 +89,21 @@ class RunnerHooks:
         self.num_layers = int(runner.model_config.hf_config.num_hidden_layers)
         self.extra_last = self.num_layers not in self.tap_layers
         self.errors = 0
+        self._host_positions = True  # first positions from the runner's host bookkeeping
+        self._host_positions_checked = 0
         self._orig: dict[str, Callable] = {}
         self._in_step = False
         self._fwd: tuple | None = None
         self._pending: StepRecord | None = None
+
+    @property
+    def host_positions(self) -> bool:
+        """Whether first positions come from the runner's host bookkeeping (no device sync)."""
+        return self._host_positions
+
+    @property
+    def host_position_checks(self) -> int:
+        return self._host_positions_checked
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
@@ -199,12 +213,41 @@ class RunnerHooks:
         for n in counts:
             starts.append(total)
             total += n
-        first_pos = positions[torch.tensor(starts, dtype=torch.long, device=positions.device)]
         slices = [
             ReqSlice(r, s, n, len(spec.get(r, ())), p)
-            for r, s, n, p in zip(req_ids, starts, counts, first_pos.tolist(), strict=True)
+            for r, s, n, p in zip(
+                req_ids, starts, counts, self._first_positions(positions, starts), strict=True
+            )
         ]
         return StepRecord(slices, input_ids, taps, last)
+
+    def _first_positions(self, positions: Any, starts: list[int]) -> list[int]:
+        """Each request's first scheduled position. The runner computed them on the host from
+        ``input_batch.num_computed_tokens_cpu`` (exact without async scheduling, which codraft
+        refuses); reading those avoids a device->host copy, i.e. a sync of every GPU step. The
+        first steps check them against the positions the model ran with; on any difference
+        (another vLLM's bookkeeping) the device positions are read from then on."""
+
+        def device() -> list[int]:
+            idx = torch.tensor(starts, dtype=torch.long, device=positions.device)
+            return positions[idx].tolist()
+
+        host = getattr(self.runner.input_batch, "num_computed_tokens_cpu", None)
+        if host is None or not self._host_positions:
+            return device()
+        first = [int(x) for x in host[: len(starts)]]
+        if self._host_positions_checked < HOST_POSITION_CHECKS:
+            self._host_positions_checked += 1
+            ran = device()
+            if first != ran:
+                log.error(
+                    "codraft capture: input_batch.num_computed_tokens_cpu %s differs from the "
+                    "positions the model ran with %s; reading positions from the device",
+                    first[:8], ran[:8],
+                )  # fmt: skip
+                self._host_positions = False
+                return ran
+        return first
 
     def _deliver(self, record: StepRecord, output: Any) -> None:
         index = output.req_id_to_index

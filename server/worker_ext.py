@@ -456,6 +456,8 @@ class CodraftEngine(StepListener):
                 "requests_inconsistent": c.requests_inconsistent,
                 "requests_sampled_out": self.sampled_out,
                 "hook_errors": self.hooks.errors,
+                "positions_from_host": self.hooks.host_positions,
+                "position_checks": self.hooks.host_position_checks,
             },
             "acceptance": self.acceptance.snapshot(),
             "swaps": self.swaps,

@@ -532,6 +532,8 @@ def test_capture_is_exact(run: EngineRun) -> None:
     tap = run.phase("bad")["stats"]["tap"]
     assert tap["hook_errors"] == 0 and tap["requests_inconsistent"] == 0, tap
     assert tap["requests_incomplete"] == 0, tap
+    # first positions came from the runner's host bookkeeping, checked against the device's
+    assert tap["positions_from_host"] and tap["position_checks"] >= 1, tap
 
 
 @pytestmark_vllm
