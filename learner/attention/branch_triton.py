@@ -47,10 +47,11 @@ def _have_triton() -> bool:
 
 def usable(q: Tensor, n_branch: int) -> bool:
     """Whether these kernels can take this call: triton importable, a CUDA tensor (or CPU under
-    ``TRITON_INTERPRET=1``), fp16/bf16/fp32, and at most :data:`MAX_BRANCH` branch keys."""
+    ``TRITON_INTERPRET=1``), fp16/bf16/fp32 with a unit head-dim stride, and at most
+    :data:`MAX_BRANCH` branch keys."""
     if not 1 <= n_branch <= MAX_BRANCH or not _have_triton():
         return False
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or q.stride(-1) != 1:
         return False
     return q.is_cuda or (interpreted() and q.device.type == "cpu")
 
