@@ -31,9 +31,11 @@ Exit status 1 when a speculative arm's greedy outputs differ from the base arm's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -280,22 +282,37 @@ def run_arm_subprocess(spec: ArmSpec, work: Path, timeout: float) -> dict[str, A
     out_path.unlink(missing_ok=True)
     spec_path.write_text(json.dumps(asdict(spec)))
     log = work / f"{spec.name}.log"
+    # PYTHONFAULTHANDLER: an arm that runs past its time gets SIGABRT first, so every Python
+    # process of it (the engine core included) writes all its threads' stacks into the log:
+    # where a stuck start-up or step waits is then on record.
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(spec_path), str(out_path)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=env,
+            start_new_session=True,
+        )
         try:
-            proc = subprocess.run(
-                [sys.executable, __file__, "--worker", str(spec_path), str(out_path)],
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                timeout=timeout,
-                cwd=ROOT,
-            )
-            code: int | str = proc.returncode
+            code: int | str = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            code = f"killed after {timeout:.0f} s"
+            _abort_group(proc)
+            code = f"killed after {timeout:.0f} s (stacks in the log)"
     if code != 0 or not out_path.exists():
         tail = log.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"arm {spec.name} failed (exit {code}), {log}:\n{tail}")
     return json.loads(out_path.read_text())
+
+
+def _abort_group(proc: subprocess.Popen) -> None:
+    """SIGABRT to the arm's process group (faulthandler dumps the stacks), then SIGKILL."""
+    for sig, wait in ((signal.SIGABRT, 5.0), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=wait)
 
 
 def make_drafts(target: Path, base: dict, out: Path, n_swaps: int, vocab: int) -> list[Path]:
