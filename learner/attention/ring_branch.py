@@ -173,21 +173,38 @@ def _one_layout(kb: Sequence[Tensor], vb: Sequence[Tensor]) -> tuple[list[Tensor
     return [k.contiguous() for k in kb], [v.contiguous() for v in vb]
 
 
+def _merge(
+    out_a: Tensor,
+    lse_a: Tensor,
+    q: Tensor,
+    kb: Sequence[Tensor],
+    vb: Sequence[Tensor],
+    scale: float,
+    out: Tensor,
+    lse: Tensor,
+) -> None:
+    """``(out, lse) <- merge((out_a, lse_a), branch)``, chunk by chunk; ``out``/``lse`` may be
+    ``out_a``/``lse_a`` themselves (each chunk is read before it is written)."""
+    mode = _mode(q, len(kb))
+    if mode == "triton":
+        branch_triton.merge(out_a, lse_a, q, *_one_layout(kb, vb), scale, out=out, lse=lse)
+        return
+    merge, _, chunk = _kernels(mode)
+    for r0 in range(0, q.shape[0], chunk):
+        r1 = min(r0 + chunk, q.shape[0])
+        o, lo = merge(
+            out_a[r0:r1], lse_a[r0:r1], q[r0:r1], _rows(kb, r0, r1), _rows(vb, r0, r1), scale
+        )
+        out[r0:r1].copy_(o)
+        lse[r0:r1].copy_(lo)
+
+
 def branch_merge_into(
     out: Tensor, lse: Tensor, q: Tensor, kb: Sequence[Tensor], vb: Sequence[Tensor], scale: float
 ) -> None:
     """Merge the branch's attention into the accumulators ``out`` ``[T, Hq, D]`` and ``lse``
     ``[T, Hq]`` (fp32, or fp64 for fp64 inputs), in place, chunk by chunk."""
-    mode = _mode(q, len(kb))
-    if mode == "triton":
-        branch_triton.merge(out, lse, q, *_one_layout(kb, vb), scale, out=out, lse=lse)
-        return
-    merge, _, chunk = _kernels(mode)
-    for r0 in range(0, q.shape[0], chunk):
-        r1 = min(r0 + chunk, q.shape[0])
-        o, lo = merge(out[r0:r1], lse[r0:r1], q[r0:r1], _rows(kb, r0, r1), _rows(vb, r0, r1), scale)
-        out[r0:r1].copy_(o)
-        lse[r0:r1].copy_(lo)
+    _merge(out, lse, q, kb, vb, scale, out, lse)
 
 
 def branch_merge(
@@ -200,19 +217,9 @@ def branch_merge(
 ) -> tuple[Tensor, Tensor]:
     """The trunk's ``(out_a [T, Hq, D], lse_a [T, Hq])`` merged with the branch: out in q's
     dtype, lse in the accumulation dtype."""
-    mode = _mode(q, len(kb))
-    if mode == "triton":
-        return branch_triton.merge(out_a, lse_a, q, *_one_layout(kb, vb), scale)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=_acc(q.dtype), device=q.device)
-    merge, _, chunk = _kernels(mode)
-    for r0 in range(0, q.shape[0], chunk):
-        r1 = min(r0 + chunk, q.shape[0])
-        o, lo = merge(
-            out_a[r0:r1], lse_a[r0:r1], q[r0:r1], _rows(kb, r0, r1), _rows(vb, r0, r1), scale
-        )
-        out[r0:r1].copy_(o)
-        lse[r0:r1].copy_(lo)
+    _merge(out_a, lse_a, q, kb, vb, scale, out, lse)
     return out, lse
 
 
