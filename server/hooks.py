@@ -89,21 +89,14 @@ class RunnerHooks:
         self.num_layers = int(runner.model_config.hf_config.num_hidden_layers)
         self.extra_last = self.num_layers not in self.tap_layers
         self.errors = 0
-        self._host_positions = True  # first positions from the runner's host bookkeeping
-        self._host_positions_checked = 0
+        # first positions from the runner's host bookkeeping (no device sync), and how many
+        # steps checked them against the device's (see _first_positions)
+        self.host_positions = True
+        self.host_position_checks = 0
         self._orig: dict[str, Callable] = {}
         self._in_step = False
         self._fwd: tuple | None = None
         self._pending: StepRecord | None = None
-
-    @property
-    def host_positions(self) -> bool:
-        """Whether first positions come from the runner's host bookkeeping (no device sync)."""
-        return self._host_positions
-
-    @property
-    def host_position_checks(self) -> int:
-        return self._host_positions_checked
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
@@ -233,11 +226,11 @@ class RunnerHooks:
             return positions[idx].tolist()
 
         host = getattr(self.runner.input_batch, "num_computed_tokens_cpu", None)
-        if host is None or not self._host_positions:
+        if host is None or not self.host_positions:
             return device()
-        first = [int(x) for x in host[: len(starts)]]
-        if self._host_positions_checked < HOST_POSITION_CHECKS:
-            self._host_positions_checked += 1
+        first = host[: len(starts)].tolist()
+        if self.host_position_checks < HOST_POSITION_CHECKS:
+            self.host_position_checks += 1
             ran = device()
             if first != ran:
                 log.error(
@@ -245,7 +238,7 @@ class RunnerHooks:
                     "positions the model ran with %s; reading positions from the device",
                     first[:8], ran[:8],
                 )  # fmt: skip
-                self._host_positions = False
+                self.host_positions = False
                 return ran
         return first
 
