@@ -42,6 +42,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,7 +50,14 @@ import torch
 from codraft.draft.checkpoint import CONFIG_NAME, META_NAME, WEIGHTS_NAME
 from server.draft_kernels import StageError, install, snapshot_live, stage_kernels
 from server.draft_read import BufferPool
-from server.swap import DraftSlot, SwapError, open_draft, utc_now, write_draft_weights
+from server.swap import (
+    DraftSlot,
+    SwapError,
+    check_request,
+    open_draft,
+    utc_now,
+    write_draft_weights,
+)
 
 log = logging.getLogger(__name__)
 FileId = tuple[tuple[int, int, int, int] | None, ...]
@@ -269,29 +277,16 @@ class DraftSwapper:
         if st.error is not None:
             raise st.error
         assert st.slot is not None
-        self._check_wanted(st, st.slot)
+        # what a swap() asked for, against a draft prepared without it
+        check_request(
+            Path(st.path), st.slot.version, st.slot.sha256, st.want.get("version"),
+            st.want.get("sha256"),
+        )  # fmt: skip
         self._check_newer(st.slot.version)  # a swap may have happened since the prepare
         t0 = time.perf_counter()
         self.switch_to(st.slot)
         timing = {**st.timing, "install_ms": 1e3 * (time.perf_counter() - t0)}
         return {"ok": True, "ready": True, "timing_ms": timing}
-
-    @staticmethod
-    def _check_wanted(st: Staging, slot: DraftSlot) -> None:
-        """What a swap() asked for against a draft prepared without it (as open_draft would)."""
-        version, sha256 = st.want.get("version"), st.want.get("sha256")
-        if version is not None and slot.version != version:
-            raise SwapError(
-                422,
-                f"{st.path}/{META_NAME} records version {slot.version}, the request says "
-                f"{version}: publish each version in its own checkpoint directory",
-            )
-        if sha256 is not None and sha256.lower() != slot.sha256:
-            raise SwapError(
-                422,
-                f"sha256 mismatch: the request expects {sha256}, {st.path}/{WEIGHTS_NAME} is "
-                f"{slot.sha256}",
-            )
 
     def load(self, path: Any, version: Any, sha256: Any = None) -> dict[str, Any]:
         """Prepare and commit inside one call (the engine waits for all of it)."""

@@ -176,6 +176,25 @@ def open_draft(
     return OpenedDraft(slot, checked)
 
 
+def check_request(
+    root: Path, found_version: int, found_sha256: str, version: int | None, sha256: str | None
+) -> None:
+    """The checkpoint's own version and sha256 against what the request says (None: anything);
+    422 when they differ."""
+    if version is not None and found_version != version:
+        raise SwapError(
+            422,
+            f"{root / META_NAME} records version {found_version}, the request says {version}: "
+            "publish each version in its own checkpoint directory",
+        )
+    if sha256 is not None and sha256.lower() != found_sha256:
+        raise SwapError(
+            422,
+            f"sha256 mismatch: the request expects {sha256}, {root / WEIGHTS_NAME} is "
+            f"{found_sha256}",
+        )
+
+
 def _check_fits(
     cfg: DraftConfig,
     meta: DraftMeta,
@@ -184,18 +203,7 @@ def _check_fits(
     sha256: str | None,
     running: DraftSlot,
 ) -> None:
-    if version is not None and meta.version != version:
-        raise SwapError(
-            422,
-            f"{root / META_NAME} records version {meta.version}, the request says {version}: "
-            "publish each version in its own checkpoint directory",
-        )
-    if sha256 is not None and sha256.lower() != meta.weights_sha256:
-        raise SwapError(
-            422,
-            f"sha256 mismatch: the request expects {sha256}, {root / WEIGHTS_NAME} is "
-            f"{meta.weights_sha256}",
-        )
+    check_request(root, meta.version, meta.weights_sha256, version, sha256)
     differ = [
         f"{name}: expected {getattr(running.config, name)!r}, found {getattr(cfg, name)!r}"
         for name in _BAKED
@@ -207,19 +215,6 @@ def _check_fits(
             f"draft checkpoint rejected: {root}: config differs from the running draft, which "
             "cannot change shape or constants in place: " + "; ".join(differ),
         )
-
-
-def prepare_draft(
-    path: str, version: int, sha256: str | None, running: DraftSlot, fingerprint: str | None
-) -> DraftSlot:
-    """`open_draft` and its checksum: a checked draft whose weights may be installed."""
-    opened = open_draft(path, version, sha256, running, fingerprint)
-    try:
-        opened.verify()
-    except SwapError:
-        opened.checked.release()
-        raise
-    return opened.slot
 
 
 class _DropSharedWarnings(logging.Filter):
