@@ -196,7 +196,7 @@ class Trainer:
             step=self.step_count,
             loss=loss,
             lr=lr,
-            grad_norm=float(grad_norm),
+            grad_norm=grad_norm,
             tokens=batch.num_tokens,
             pass_acc=acc,
             seconds=time.perf_counter() - t0,
