@@ -150,3 +150,22 @@ def test_codraft_fits_the_vllm_0_26_source() -> None:
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     report = json.loads(r.stdout[r.stdout.index("{") : r.stdout.rindex("}") + 1])
     assert report["hook_problems"] == [] and report["serve_async_scheduling"] is False
+
+
+def test_run_all_overlap_runs_identity_beside_cotrain(tmp_path: Path) -> None:
+    """--overlap: identity waits for the co-training server and starts when cotrain has ended
+    without one; both phases are recorded."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    r = subprocess.run(
+        [sys.executable, str(KIT / "run_all.py"), "--phases", "identity,cotrain", "--overlap",
+         "--out", str(out), "--work", str(work), "--python", str(tmp_path / "no-such-python"),
+         "--budget-s", "400", "--cotrain-minutes", "1"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert r.returncode == 1, r.stdout + r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["phases"]) == {"identity", "cotrain"}
+    assert summary["overlapped"] == ["identity", "cotrain"]
+    assert {p["status"] for p in summary["phases"].values()} == {"failed"}
+    log = (out / "run.log").read_text()
+    assert log.index("[cotrain] start") < log.index("[identity] starts beside cotrain")

@@ -38,6 +38,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -131,21 +132,25 @@ class Run:
             "budget_s": args.budget_s,
         }
         self.py = args.python
+        self._lock = threading.RLock()  # log lines and saves from an overlapped phase
 
     # ------------------------------------------------------------------ logging
     def log(self, msg: str) -> None:
         line = f"{now()} +{time.monotonic() - self.t0:6.1f}s  {msg}"
-        print(line, flush=True)
-        with open(self.log_path, "a") as f:
-            f.write(line + "\n")
+        with self._lock:
+            print(line, flush=True)
+            with open(self.log_path, "a") as f:
+                f.write(line + "\n")
 
     def left(self) -> float:
         return self.args.budget_s - (time.monotonic() - self.t0)
 
     def save(self) -> None:
-        self.summary["elapsed_s"] = round(time.monotonic() - self.t0, 1)
-        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1, default=str))
-        self.bundle_logs()
+        with self._lock:
+            self.summary["elapsed_s"] = round(time.monotonic() - self.t0, 1)
+            text = json.dumps(self.summary, indent=1, default=str)
+            (self.out / "summary.json").write_text(text)
+            self.bundle_logs()
 
     def bundle_logs(self) -> None:
         files = sorted(self.logs.glob("*.log"))
@@ -240,9 +245,37 @@ class Run:
         self.log(f"[{name}] {status.upper()} in {rec['seconds']}s {extra.get('note', '')}")
         if status not in ("ok", "skipped"):
             rec["log_tail"] = self.tail(name)
-            with open(self.log_path, "a") as f:
+            with self._lock, open(self.log_path, "a") as f:
                 f.write(f"----- last lines of logs/{name}.log -----\n{rec['log_tail']}\n-----\n")
         self.save()
+
+    def cotrain_with_identity(self) -> None:
+        """The cotrain phase, with the identity phase started beside it once the co-training
+        server is up (or the cotrain phase has ended): identity checks correctness, not speed,
+        so sharing the GPU costs it nothing but time, and it saves the session its minutes.
+        Not before the server is up: an engine sizes its KV cache from the GPU's free memory
+        during its start, which another engine's start would skew."""
+        done = threading.Event()
+
+        def identity() -> None:
+            log = self.logs / "cotrain.log"
+            while not done.wait(2.0):
+                try:
+                    if "server ready" in log.read_text(errors="replace"):
+                        break
+                except OSError:
+                    pass
+            self.log("[identity] starts beside cotrain (the co-training server is up)")
+            self.phase("identity")
+
+        side = threading.Thread(target=identity, name="identity")
+        side.start()
+        try:
+            self.phase("cotrain")
+        finally:
+            done.set()
+            side.join()
+        self.summary["overlapped"] = ["identity", "cotrain"]
 
     def _status(self, rc: int | str, ok_codes: tuple[int, ...] = (0,)) -> str:
         if rc == "timeout":
@@ -358,6 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--python", default=None, help="the venv's python (default: .gpu_venv)")
     p.add_argument("--budget-s", type=float, default=540.0, help="the whole command's seconds")
     p.add_argument("--cotrain-minutes", type=float, default=3.0)
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="run identity beside cotrain (on the same GPU, once the co-training server is up)",
+    )
     p.add_argument("--dtype", default="bfloat16", help="co-training and benchmark dtype")
     p.add_argument("--identity-dtype", default="float32")
     p.add_argument("--draft", default=None, help="bench: this draft instead of the co-trained")
@@ -375,8 +413,13 @@ def main(argv: list[str] | None = None) -> int:
         args.python = str(args.venv / "bin" / "python")
     run = Run(args)
     run.log(f"codraft GPU run: phases {phases}, out {run.out}, work {run.work}, python {run.py}")
+    overlap = args.overlap and {"identity", "cotrain"} <= set(phases)
     for name in PHASES:
-        if name in phases:
+        if name == "identity" and overlap:
+            continue  # runs beside cotrain
+        if name == "cotrain" and overlap:
+            run.cotrain_with_identity()
+        elif name in phases:
             run.phase(name)
     statuses = {k: v["status"] for k, v in run.summary["phases"].items()}
     run.summary["finished"] = now()
