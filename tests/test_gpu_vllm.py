@@ -109,7 +109,8 @@ def test_kit_scripts_parse_and_smoke() -> None:
     )
     assert r.returncode == 0 and "smoke ok" in r.stdout, r.stdout + r.stderr
     assert "'async_scheduling': False" in r.stdout
-    for script in ("run_all.py", "cotrain.py", "check_vllm_src.py", "make_prompts.py"):
+    scripts = ("run_all.py", "cotrain.py", "check_vllm_src.py", "make_prompts.py", "bench_scale.py")
+    for script in scripts:
         r = subprocess.run(
             [sys.executable, str(KIT / script), "--help"], capture_output=True, text=True
         )
@@ -169,3 +170,20 @@ def test_run_all_overlap_runs_identity_beside_cotrain(tmp_path: Path) -> None:
     assert {p["status"] for p in summary["phases"].values()} == {"failed"}
     log = (out / "run.log").read_text()
     assert log.index("[cotrain] start") < log.index("[identity] starts beside cotrain")
+
+
+def test_bench_scale_models_are_llama_8b_and_its_eagle3_draft(tmp_path: Path) -> None:
+    """The scale benchmark's dummy target is Llama-3.1-8B's geometry and its draft config reads
+    back as codraft's draft for that target (taps inside the target's depth)."""
+    sys.path.insert(0, str(KIT))
+    from bench_scale import LLAMA_8B, make_models
+
+    from codraft.draft.config import DraftConfig
+    from codraft.prepare import resolve_model
+
+    target, draft = make_models(tmp_path, resolve_model("smollm2"), 8192)
+    assert json.loads((target / "config.json").read_text()) == LLAMA_8B
+    assert (target / "tokenizer.json").is_file() and not list(target.glob("*.safetensors"))
+    cfg = DraftConfig.from_hf_dict(json.loads((draft / "config.json").read_text()))
+    assert (cfg.hidden_size, cfg.num_key_value_heads, cfg.vocab_size) == (4096, 8, 128256)
+    assert cfg.draft_vocab_size == 8192 and all(0 <= t < 32 for t in cfg.tap_layers)

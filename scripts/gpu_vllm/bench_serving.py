@@ -80,6 +80,9 @@ class ArmSpec:
     prompts: list[str] = field(default_factory=lambda: list(PROMPTS))
     chat: bool = False  # apply the target's chat template to each prompt
     codraft: bool = False  # worker extension: tap overhead + swap latency
+    cuda_graphs: bool = False  # vLLM's default torch.compile + CUDA graphs (else eager)
+    load_format: str = "auto"  # "dummy": random weights, no files (bench_scale.py)
+    synthetic_acceptance: float | None = None  # vLLM's synthetic rejection sampling, this length
     tap_batch: int = 32
     tap_repeats: int = 3
     swap_dirs: list[str] = field(default_factory=list)
@@ -188,6 +191,11 @@ def run_arm(spec: ArmSpec) -> dict[str, Any]:
             "model": spec.draft,
             "num_speculative_tokens": spec.k,
         }
+        if spec.synthetic_acceptance is not None:  # accept at this mean length, draft or not
+            kwargs["speculative_config"].update(
+                rejection_sample_method="synthetic",
+                synthetic_acceptance_length=spec.synthetic_acceptance,
+            )
     if spec.codraft:
         from server.config import EngineConfig
 
@@ -200,8 +208,9 @@ def run_arm(spec: ArmSpec) -> dict[str, Any]:
     llm = LLM(
         model=spec.target,
         dtype=spec.dtype,
-        enforce_eager=True,
+        enforce_eager=spec.codraft or not spec.cuda_graphs,  # the extension refuses graphs
         enable_prefix_caching=False,
+        load_format=spec.load_format,
         max_model_len=spec.max_model_len,
         max_num_seqs=max([*spec.batches, spec.tap_batch]),
         gpu_memory_utilization=spec.gpu_memory_utilization,
@@ -211,7 +220,11 @@ def run_arm(spec: ArmSpec) -> dict[str, Any]:
     )
     result: dict[str, Any] = {"spec": asdict(spec), "load_s": time.perf_counter() - t0}
     prompts = _chat(llm, spec.prompts) if spec.chat else list(spec.prompts)
-    _generate(llm, prompts[:2], 8)  # warm-up
+    # warm-up at every batch size of the sweep: Triton specialises a kernel on its integer
+    # arguments (== 1, multiple of 16), so vLLM's speculative kernels JIT-compile once per such
+    # class on a cold cache, and that must not land in a timed batch
+    for b in sorted({*spec.batches, spec.tap_batch}):
+        _generate(llm, batch_prompts(prompts, b), 8)
     # the sweep: plain vLLM in every arm (codraft's extension is installed only afterwards)
     result["batches"] = [
         _generate(llm, batch_prompts(prompts, b), spec.max_tokens) for b in spec.batches
@@ -436,6 +449,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--swaps", type=int, default=5, help="draft swaps to time")
     p.add_argument("--tap-repeats", type=int, default=3, help="runs per tap mode")
     p.add_argument("--prompts", default=None, help="prompts file (default: prompts.json.gz)")
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="base and trained arms with torch.compile + CUDA graphs (the untrained arm, which "
+        "installs codraft's extension, stays eager)",
+    )
     p.add_argument("--async-scheduling", action="store_true", help="(codraft refuses it)")
     p.add_argument("--arm-timeout", type=float, default=300.0, help="seconds per arm")
     p.add_argument("--smoke", action="store_true", help="imports, plan, receiver; no engine")
@@ -464,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         chat=chat,
         tap_batch=32 if 32 in batches else max(batches),
         tap_repeats=args.tap_repeats,
+        cuda_graphs=args.cuda_graphs,
     )
     out = Path(args.out).resolve()
     if args.smoke:
@@ -502,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
             draft=str(drafts[0]),
             codraft=True,
             swap_dirs=[str(d) for d in drafts[1:]],
-            **common,
+            **{**common, "cuda_graphs": False},  # codraft's extension: eager only
         )
         arm("untrained", spec)
     if "trained" in arms_wanted:

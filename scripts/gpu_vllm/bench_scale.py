@@ -1,0 +1,207 @@
+"""Where speculation pays: an 8B-class Llama target on vLLM 0.26.0 (CUDA) at a set acceptance.
+
+No 8B checkpoint can be had on the GPU machine (no network), and acceptance is a property of the
+draft, not of the engine's cost. So this measures the cost side at scale and takes acceptance as
+an input:
+
+* the target is Llama-3.1-8B's geometry (32 layers, hidden 4,096, FFN 14,336, 32/8 heads,
+  vocab 128,256, bf16) with vLLM's `load_format="dummy"` (random weights, nothing read) and
+  SmolLM2's tokenizer; the EAGLE-3 draft is codraft's draft config for that target (one layer,
+  draft vocab 8,192, taps as codraft picks them), random weights too;
+* vLLM's synthetic rejection sampling (`rejection_sample_method="synthetic"`) accepts draft
+  tokens at a set mean acceptance length, so every speculative step costs what it costs with a
+  draft of that quality: the draft's k forward passes, the target's verification of k + 1
+  tokens, the sampler;
+* arms: no speculation, then EAGLE-3 at each `--acceptance` (default: 2.1, what the online
+  co-trained SmolLM2 draft reached on held-out prompts, and 3.2, what it reached on the
+  co-training stream), torch.compile + CUDA graphs, batches 1/8/32/64, 128 greedy tokens.
+
+Outputs are random tokens (random weights); only time is measured. Writes
+`<out>/scale.json` and `<out>/scale.png`.
+
+    .gpu_venv/bin/python scripts/gpu_vllm/bench_scale.py --out runs/gpu_scale
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+sys.path.insert(1, str(HERE))
+
+from bench_serving import ArmSpec, load_prompt_list, run_arm_subprocess  # noqa: E402
+
+# Llama-3.1-8B's geometry (rope scaling left out: it does not change the cost at 1K tokens)
+LLAMA_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def make_models(work: Path, tokenizer: Path, draft_vocab: int) -> tuple[Path, Path]:
+    """The dummy target folder (config + tokenizer) and the draft folder (config only)."""
+    from codraft.draft.config import DraftConfig
+    from codraft.models.config import TargetConfig
+
+    target, draft = work / "llama8b-dummy", work / "llama8b-dummy-eagle3"
+    for d in (target, draft):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+    (target / "config.json").write_text(json.dumps(LLAMA_8B, indent=1))
+    for name in TOKENIZER_FILES:
+        if (tokenizer / name).is_file():
+            shutil.copy(tokenizer / name, target / name)
+    cfg = DraftConfig.from_target(
+        TargetConfig.from_pretrained(target), draft_vocab_size=draft_vocab, dtype="bfloat16"
+    )
+    (draft / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
+    return target, draft
+
+
+def plot(report: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    base = {b["batch"]: b["tokens_per_s"] for b in report["arms"]["base"]["batches"]}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, arm in report["arms"].items():
+        xs = [b["batch"] for b in arm["batches"]]
+        ax1.plot(xs, [b["tokens_per_s"] for b in arm["batches"]], "o-", label=name)
+        if name != "base":
+            ax2.plot(xs, [b["tokens_per_s"] / base[b["batch"]] for b in arm["batches"]], "o-",
+                     label=name)  # fmt: skip
+    ax2.axhline(1.0, color="k", lw=0.8)
+    for ax, title in ((ax1, "output tokens/s"), (ax2, "speed-up over no speculation")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (concurrent greedy requests)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        f"Llama-8B geometry (random weights) on vLLM {report['vllm_version']}, "
+        f"{report['device']}: EAGLE-3 k={report['k']} at set acceptance lengths"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/gpu_scale")
+    p.add_argument("--tokenizer", default=None, help="a folder with tokenizer.json (SmolLM2's)")
+    p.add_argument("--acceptance", default="2.1,3.2", help="mean acceptance lengths to set")
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--gpu-mem", type=float, default=0.5)
+    p.add_argument("--eager", action="store_true", help="no torch.compile / CUDA graphs")
+    p.add_argument("--arm-timeout", type=float, default=240.0)
+    args = p.parse_args(argv)
+
+    from codraft.prepare import resolve_model
+    from server.compat import require_supported
+
+    version = require_supported()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = Path(args.tokenizer) if args.tokenizer else resolve_model("smollm2")
+    target, draft = make_models(out, tokenizer, args.draft_vocab)
+    prompts, chat, source = load_prompt_list(None)
+    common = dict(
+        target=str(target),
+        k=args.k,
+        batches=[int(b) for b in args.batches.split(",")],
+        max_tokens=args.max_tokens,
+        gpu_memory_utilization=args.gpu_mem,
+        prompts=prompts,
+        chat=chat,
+        cuda_graphs=not args.eager,
+        load_format="dummy",
+    )
+    arms = [ArmSpec("base", **common)]
+    for a in (float(x) for x in args.acceptance.split(",") if x):
+        arms.append(ArmSpec(f"eagle3 AL {a:g}", draft=str(draft), synthetic_acceptance=a, **common))
+    import torch
+
+    report: dict = {
+        "vllm_version": version,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "target": LLAMA_8B,
+        "k": args.k,
+        "max_tokens": args.max_tokens,
+        "cuda_graphs": not args.eager,
+        "prompts": source,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "arms": {},
+        "failures": {},
+    }
+    t0 = time.perf_counter()
+    for spec in arms:
+        print(f"[{spec.name}] {time.perf_counter() - t0:6.1f}s ...", flush=True)
+        try:
+            res = run_arm_subprocess(spec, out / "scale-arms", args.arm_timeout)
+        except Exception as e:  # the next arm still runs; the report names the failure
+            report["failures"][spec.name] = str(e)
+            print(f"[{spec.name}] FAILED: {e}", flush=True)
+            continue
+        res["spec"] = {k: v for k, v in asdict(spec).items() if k != "prompts"}
+        res["batches"] = [{k: v for k, v in b.items() if k != "token_ids"} for b in res["batches"]]
+        report["arms"][spec.name] = res
+        print(f"[{spec.name}] engine load {res['load_s']:.1f}s", flush=True)
+        for b in res["batches"]:
+            al = b["acceptance_length"]
+            print(
+                f"    batch {b['batch']:3d}: {b['tokens_per_s']:9.1f} tok/s, "
+                f"{b['ms_per_output_token']:6.2f} ms/token"
+                + (f", acceptance length {al:.2f}" if al else ""),
+                flush=True,
+            )
+        (out / "scale.json").write_text(json.dumps(report, indent=2))  # after every arm
+    if "base" in report["arms"]:
+        base = {b["batch"]: b["tokens_per_s"] for b in report["arms"]["base"]["batches"]}
+        report["speedup"] = {
+            name: {b["batch"]: b["tokens_per_s"] / base[b["batch"]] for b in arm["batches"]}
+            for name, arm in report["arms"].items()
+            if name != "base"
+        }
+        for name, row in report["speedup"].items():
+            print(f"  speed-up, {name}: " + ", ".join(f"b{k} {v:.2f}x" for k, v in row.items()))
+        plot(report, out / "scale.png")
+    report["total_s"] = time.perf_counter() - t0
+    (out / "scale.json").write_text(json.dumps(report, indent=2))
+    return 0 if not report["failures"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
