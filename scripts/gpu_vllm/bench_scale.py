@@ -83,6 +83,31 @@ def make_models(work: Path, tokenizer: Path, draft_vocab: int) -> tuple[Path, Pa
     return target, draft
 
 
+def derive(report: dict, acceptance: list[float]) -> None:
+    """Speed-ups over the base arm, each speculative arm's cost per engine step (ms per output
+    token x acceptance length: what one draft-and-verify step costs, whatever is accepted), and
+    from it the speed-up each set acceptance length would give at that arm's step cost."""
+    if "base" not in report["arms"]:
+        return
+    base = {b["batch"]: b for b in report["arms"]["base"]["batches"]}
+    report["speedup"], report["step_ms"], report["projected_speedup"] = {}, {}, {}
+    for name, arm in report["arms"].items():
+        if name == "base":
+            continue
+        rows = arm["batches"]
+        report["speedup"][name] = {
+            b["batch"]: b["tokens_per_s"] / base[b["batch"]]["tokens_per_s"] for b in rows
+        }
+        step = {
+            b["batch"]: b["ms_per_output_token"] * (b["acceptance_length"] or 1.0) for b in rows
+        }
+        report["step_ms"][name] = step
+        report["projected_speedup"][name] = {
+            f"{a:g}": {n: a * base[n]["ms_per_output_token"] / ms for n, ms in step.items()}
+            for a in acceptance
+        }
+
+
 def plot(report: dict, path: Path) -> bool:
     try:
         import matplotlib
@@ -93,12 +118,18 @@ def plot(report: dict, path: Path) -> bool:
         return False
     base = {b["batch"]: b["tokens_per_s"] for b in report["arms"]["base"]["batches"]}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, arm in report["arms"].items():
+    for i, (name, arm) in enumerate(report["arms"].items()):
         xs = [b["batch"] for b in arm["batches"]]
-        ax1.plot(xs, [b["tokens_per_s"] for b in arm["batches"]], "o-", label=name)
+        style = {"marker": "o", "color": f"C{i}", "label": name}
+        ax1.plot(xs, [b["tokens_per_s"] for b in arm["batches"]], **style)
         if name != "base":
-            ax2.plot(xs, [b["tokens_per_s"] / base[b["batch"]] for b in arm["batches"]], "o-",
-                     label=name)  # fmt: skip
+            ax2.plot(xs, [b["tokens_per_s"] / base[b["batch"]] for b in arm["batches"]], **style)
+    src = report.get("projected_from")
+    for a, row in (report.get("projected_speedup", {}).get(src) or {}).items():
+        xs = sorted(row, key=int)
+        ax2.plot([int(x) for x in xs], [row[x] for x in xs], "--", color="gray", lw=1)
+        ax2.annotate(f"AL {a} at the step cost of {src}", (int(xs[0]), row[xs[0]]), fontsize=7,
+                     xytext=(4, -10), textcoords="offset points", color="gray")  # fmt: skip
     ax2.axhline(1.0, color="k", lw=0.8)
     for ax, title in ((ax1, "output tokens/s"), (ax2, "speed-up over no speculation")):
         ax.set_xscale("log", base=2)
@@ -110,7 +141,9 @@ def plot(report: dict, path: Path) -> bool:
         f"Llama-8B geometry (random weights) on vLLM {report['vllm_version']}, "
         f"{report['device']}: EAGLE-3 k={report['k']} at set acceptance lengths"
     )
-    fig.tight_layout()
+    if report.get("note"):  # a remark added to the report by hand, e.g. about a cold cache
+        fig.text(0.5, 0.01, report["note"], ha="center", fontsize=7, wrap=True)
+    fig.tight_layout(rect=(0, 0.04 if report.get("note") else 0, 1, 1))
     fig.savefig(path, dpi=120)
     return True
 
@@ -127,7 +160,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-mem", type=float, default=0.5)
     p.add_argument("--eager", action="store_true", help="no torch.compile / CUDA graphs")
     p.add_argument("--arm-timeout", type=float, default=240.0)
+    p.add_argument(
+        "--replot",
+        metavar="JSON",
+        help="no run: recompute the derived figures of a scale.json and redraw its plot, with "
+        "the --acceptance projections at --project-from's step cost (dashed)",
+    )
+    p.add_argument("--project-from", default=None, help="arm name (default: none drawn)")
     args = p.parse_args(argv)
+    acceptance = [float(x) for x in args.acceptance.split(",") if x]
+    if args.replot:
+        path = Path(args.replot)
+        report = json.loads(path.read_text())
+        for arm in report["arms"].values():  # JSON turned the batch keys into strings
+            arm["batches"] = [{**b, "batch": int(b["batch"])} for b in arm["batches"]]
+        derive(report, acceptance)
+        report["projected_from"] = args.project_from
+        path.write_text(json.dumps(report, indent=2))
+        return 0 if plot(report, path.with_suffix(".png")) else 1
 
     from codraft.prepare import resolve_model
     from server.compat import require_supported
@@ -150,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         load_format="dummy",
     )
     arms = [ArmSpec("base", **common)]
-    for a in (float(x) for x in args.acceptance.split(",") if x):
+    for a in acceptance:
         arms.append(ArmSpec(f"eagle3 AL {a:g}", draft=str(draft), synthetic_acceptance=a, **common))
     import torch
 
@@ -188,15 +238,10 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         (out / "scale.json").write_text(json.dumps(report, indent=2))  # after every arm
-    if "base" in report["arms"]:
-        base = {b["batch"]: b["tokens_per_s"] for b in report["arms"]["base"]["batches"]}
-        report["speedup"] = {
-            name: {b["batch"]: b["tokens_per_s"] / base[b["batch"]] for b in arm["batches"]}
-            for name, arm in report["arms"].items()
-            if name != "base"
-        }
-        for name, row in report["speedup"].items():
-            print(f"  speed-up, {name}: " + ", ".join(f"b{k} {v:.2f}x" for k, v in row.items()))
+    derive(report, acceptance)
+    for name, row in report.get("speedup", {}).items():
+        print(f"  speed-up, {name}: " + ", ".join(f"b{k} {v:.2f}x" for k, v in row.items()))
+    if report["arms"]:
         plot(report, out / "scale.png")
     report["total_s"] = time.perf_counter() - t0
     (out / "scale.json").write_text(json.dumps(report, indent=2))
