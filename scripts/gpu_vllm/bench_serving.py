@@ -1,7 +1,8 @@
 """GPU serving benchmark: codraft on CUDA vLLM 0.26.0 (offline engines, one process each).
 
 Needs only what scripts/gpu_vllm/install.sh provides (vLLM, codraft, pyzmq; matplotlib is
-optional). Arms, each a fresh `LLM` in its own subprocess (enforce_eager, no prefix cache, async
+optional). Arms, each a fresh `LLM` in its own subprocess (enforce_eager, or with --cuda-graphs
+torch.compile + CUDA graphs for the arms without codraft's extension; no prefix cache, async
 scheduling off, gpu_memory_utilization 0.3 by default, the V1 model runner):
 
 * `base`      no speculation;
