@@ -7,7 +7,8 @@ when an earlier one failed (the failure, its exit status and its log's tail are 
   install   bash scripts/gpu_vllm/install.sh                        (~1 min: .gpu_venv)
   env       machine, GPU, Python, torch, vLLM, codraft's check of the vLLM internals it hooks
   prepare   codraft prepare smollm2                                 (GGUF -> safetensors)
-  identity  greedy outputs with and without speculation, float32, batches 1/8/32, untrained
+  identity  greedy outputs with and without speculation, bfloat16 (what `codraft serve` runs;
+            --identity-dtype float32 picks Triton attention), batches 1/8/32/64, untrained
             draft, also with codraft's hooks and the tap on (bench_serving.py --name identity)
   cotrain   `codraft serve` + `codraft learn --server` under load for --cotrain-minutes
             (cotrain.py); the newest published draft -> <work>/cotrain/draft-final
@@ -347,7 +348,7 @@ class Run:
 
     def do_identity(self, left: float) -> tuple[str, dict]:
         extra = ["--arms", "base,untrained", "--dtype", self.args.identity_dtype]
-        extra += ["--batches", "1,8,32", "--max-tokens", "64", "--swaps", "1"]
+        extra += ["--batches", "1,8,32,64", "--max-tokens", "64", "--swaps", "1"]
         extra += ["--tap-repeats", "1", *shlex.split(self.args.identity_args)]
         return self._bench("identity", extra, left)
 
@@ -397,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         help="run identity beside cotrain (on the same GPU, once the co-training server is up)",
     )
     p.add_argument("--dtype", default="bfloat16", help="co-training and benchmark dtype")
-    p.add_argument("--identity-dtype", default="float32")
+    p.add_argument("--identity-dtype", default="bfloat16")
     p.add_argument("--draft", default=None, help="bench: this draft instead of the co-trained")
     p.add_argument("--identity-args", default="", help="more bench_serving.py flags (identity)")
     p.add_argument("--cotrain-args", default="", help="more cotrain.py flags")
