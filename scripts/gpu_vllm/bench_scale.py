@@ -36,7 +36,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(1, str(HERE))
 
-from bench_serving import ArmSpec, load_prompt_list, run_arm_subprocess  # noqa: E402
+from bench_serving import (  # noqa: E402
+    ArmSpec,
+    load_prompt_list,
+    print_summary,
+    run_arm_subprocess,
+    strip_ids,
+)
 
 # Llama-3.1-8B's geometry (rope scaling left out: it does not change the cost at 1K tokens)
 LLAMA_8B = {
@@ -226,17 +232,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{spec.name}] FAILED: {e}", flush=True)
             continue
         res["spec"] = {k: v for k, v in asdict(spec).items() if k != "prompts"}
-        res["batches"] = [{k: v for k, v in b.items() if k != "token_ids"} for b in res["batches"]]
-        report["arms"][spec.name] = res
-        print(f"[{spec.name}] engine load {res['load_s']:.1f}s", flush=True)
-        for b in res["batches"]:
-            al = b["acceptance_length"]
-            print(
-                f"    batch {b['batch']:3d}: {b['tokens_per_s']:9.1f} tok/s, "
-                f"{b['ms_per_output_token']:6.2f} ms/token"
-                + (f", acceptance length {al:.2f}" if al else ""),
-                flush=True,
-            )
+        report["arms"][spec.name] = strip_ids(res)
+        print_summary({"arms": {spec.name: report["arms"][spec.name]}})
+        sys.stdout.flush()
         (out / "scale.json").write_text(json.dumps(report, indent=2))  # after every arm
     derive(report, acceptance)
     for name, row in report.get("speedup", {}).items():

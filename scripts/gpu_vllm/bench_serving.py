@@ -209,7 +209,7 @@ def run_arm(spec: ArmSpec) -> dict[str, Any]:
     llm = LLM(
         model=spec.target,
         dtype=spec.dtype,
-        enforce_eager=spec.codraft or not spec.cuda_graphs,  # the extension refuses graphs
+        enforce_eager=not spec.cuda_graphs,
         enable_prefix_caching=False,
         load_format=spec.load_format,
         max_model_len=spec.max_model_len,
@@ -586,7 +586,7 @@ def print_summary(report: dict) -> None:
             print(
                 f"    swap v{s['version']}: ok={s['ok']} {s['wall_ms']:.1f} ms {s.get('timing_ms')}"
             )
-    for name, rows in report["identity"].items():
+    for name, rows in report.get("identity", {}).items():
         print(f"  identical greedy outputs, {name} vs base: {rows}")
     for name, why in report.get("failures", {}).items():
         print(f"  arm {name} FAILED: {why.splitlines()[0]}")
