@@ -1,16 +1,17 @@
 """Block attention and TTT branch attention against dense references (CPU).
 
 fp64 must match within 1e-10, fp32 (against the fp64 reference on the upcast inputs) within
-1e-4. Planted bugs (block._MUTATION) must each break a comparison by more than its tolerance.
+1e-4. Planted bugs (tests/planted_bugs.py) must each break a comparison by more than its
+tolerance.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from planted_bugs import plant
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from learner.attention import block as block_mod
 from learner.attention import (
     block_attention,
     block_backward,
@@ -355,7 +356,7 @@ MUTANTS = [
 )
 def test_planted_bug_is_caught(mutation, run, monkeypatch):
     assert max(run().values()) < TOL[torch.float64]  # clean run passes
-    monkeypatch.setattr(block_mod, "_MUTATION", mutation)
+    plant(mutation, monkeypatch)
     errs = run()
     assert max(errs.values()) > 1e3 * TOL[torch.float64], errs
     if mutation == "own_lse_replay":  # forward untouched, only gradients move

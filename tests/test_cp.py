@@ -25,12 +25,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from planted_bugs import planted
 
 from codraft.draft.config import DraftConfig
 from codraft.draft.model import Eagle3Draft
 from codraft.draft.vocab import build_draft_vocab
-from learner.attention import block as block_mod
-from learner.attention import ring as ring_mod
 from learner.attention.pass_attention import pass_attention
 from learner.attention.reference import dense_masked_attention
 from learner.attention.ring import ring_pass_attention, ring_pass_forward
@@ -200,13 +199,9 @@ def _cases(rank: int, world: int) -> dict[str, float]:
         _, lay, d, dt, *backend = name.split("/")
         lengths = ATTN_LAYOUTS[lay]
         res[name] = _attn_error(ring, lengths, int(d[4:]), DTYPES[dt], *backend)
-    for bug in MUTATIONS:
-        mod = block_mod if bug == "causal_off_by_one" else ring_mod
-        mod._MUTATION = bug
-        try:
+    for bug in MUTATIONS:  # planted here, in every rank (tests/planted_bugs.py)
+        with planted(bug):
             res[f"mut/{bug}"] = _attn_error(ring, ATTN_LAYOUTS["packed"], 4, torch.float64)
-        finally:
-            mod._MUTATION = None
     for name in TTT_CASES:
         _, lay, k, dt, *hard = name.split("/")
         batch = _samples(_ttt_lengths(lay, world), DTYPES[dt], 11)

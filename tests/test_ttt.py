@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from planted_bugs import plant
 
 from codraft.draft.config import DraftConfig
 from codraft.draft.model import Eagle3Draft
@@ -259,7 +260,7 @@ def test_pass_attention_mutations_are_caught(bug: str, monkeypatch: pytest.Monke
     import learner.attention.pass_attention as pa
 
     if bug == "causal_off_by_one":
-        monkeypatch.setattr(block, "_MUTATION", "causal_off_by_one")
+        plant("causal_off_by_one", monkeypatch)
     elif bug == "own_lse_replay":  # merge "outside": each block replayed with its own out/lse
         real = pa.block_backward
 

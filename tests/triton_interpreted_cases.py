@@ -8,7 +8,9 @@ compiled kernels."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run by tests/test_branch_triton.py (TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from learner.attention import branch_triton  # noqa: E402
+from learner.attention import branch_triton, branch_triton_kernels  # noqa: E402
 from learner.attention.reference import dense_ttt_attention  # noqa: E402
 from learner.attention.ring_branch import grad_rows, merge_rows  # noqa: E402
 
@@ -88,9 +90,39 @@ def test_rejects_mixed_layouts():
         branch_triton.merge(oa, la, q, kb, vb, 0.25)
 
 
-@pytest.mark.parametrize("bug", [1, 2], ids=["dropped-lse-grad", "no-rescale"])
-def test_planted_bug_is_caught(bug, monkeypatch):
-    monkeypatch.setattr(branch_triton, "_BUG", bug)
+# Planted bugs: (kernel, a line of it as written, the same line with the bug).
+MUTANTS = {
+    "dropped-lse-grad": (  # delta = 0: the gradient through the lse is lost
+        "grad_kernel",
+        "delta = tl.sum(do * o, axis=2)",
+        "delta = tl.sum(do * o, axis=2) * 0.0",
+    ),
+    "no-rescale": (  # the running sum is merged without rescaling
+        "merge_kernel",
+        "alpha = tl.exp(m - m_new)",
+        "alpha = tl.exp(m - m_new) * 0.0 + 1.0",
+    ),
+}
+
+
+def _mutant_kernels(directory: Path, line: str, bugged: str):
+    """A copy of learner.attention.branch_triton_kernels with one line changed, imported from a
+    file of its own (Triton's jit reads a kernel's source from its file)."""
+    src = Path(branch_triton_kernels.__file__).read_text()
+    assert src.count(line) == 1, f"the kernels no longer hold {line!r}: update MUTANTS"
+    path = directory / "mutant_branch_triton_kernels.py"
+    path.write_text(src.replace(line, bugged))
+    spec = importlib.util.spec_from_file_location("mutant_branch_triton_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("bug", list(MUTANTS))
+def test_planted_bug_is_caught(bug, monkeypatch, tmp_path):
+    kernel, line, bugged = MUTANTS[bug]
+    mutant = _mutant_kernels(tmp_path, line, bugged)
+    monkeypatch.setattr(branch_triton_kernels, kernel, getattr(mutant, kernel))
     errs = _errs(37, 6, 2, 24, 3)
     assert max(errs.values()) > 100 * TOL, errs
 

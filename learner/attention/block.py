@@ -57,13 +57,6 @@ from learner.attention.block_common import Segments as _Segments
 
 Backend = Literal["auto", "cpu_flash", "cuda_flash", "math"]
 
-# Test-only planted-bug switch (tests/test_branch_attention.py sets it to prove that the tests
-# catch each bug). Never set it anywhere else. Recognised values here:
-#   "causal_off_by_one"   causal blocks let query i see key i+1 too
-#   "empty_row_lse_zero"  rows with no visible key carry lse = 0 instead of -inf
-# The backends never read it: the dispatch below passes them its effect as arguments.
-_MUTATION: str | None = None
-
 
 # --------------------------------------------------------------------------------------------
 # validation and segment bookkeeping
@@ -159,16 +152,6 @@ def _resolve_backend(backend: Backend, q: Tensor) -> str:
     return backend
 
 
-def _empty_row_lse() -> float:
-    """The lse a row with no visible key carries into a merge: -inf."""
-    return 0.0 if _MUTATION == "empty_row_lse_zero" else _NEG_INF
-
-
-def _off_by_one(causal: bool) -> bool:
-    """Whether a causal block lets query i see key i+1 too (the planted bug, tests only)."""
-    return causal and _MUTATION == "causal_off_by_one"
-
-
 # --------------------------------------------------------------------------------------------
 # public API
 # --------------------------------------------------------------------------------------------
@@ -203,28 +186,12 @@ def block_forward(
     seg = _check_block(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
     scale = _default_scale(scale, q.shape[-1])
     which = _resolve_backend(backend, q)
-    off_by_one, empty_lse = _off_by_one(causal), _empty_row_lse()
     with torch.no_grad():
         if which == "cpu_flash":
-            return block_cpu.forward(
-                q, k, v, seg, causal, scale, off_by_one=off_by_one, empty_lse=empty_lse
-            )
+            return block_cpu.forward(q, k, v, seg, causal, scale)
         if which == "cuda_flash":
-            return block_cuda.forward(
-                q,
-                k,
-                v,
-                cu_seqlens_q,
-                cu_seqlens_k,
-                seg,
-                causal,
-                scale,
-                off_by_one=off_by_one,
-                empty_lse=empty_lse,
-            )
-        return block_math.forward(
-            q, k, v, seg, causal, scale, off_by_one=off_by_one, empty_lse=empty_lse
-        )
+            return block_cuda.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seg, causal, scale)
+        return block_math.forward(q, k, v, seg, causal, scale)
 
 
 def block_backward(
@@ -269,19 +236,14 @@ def block_backward(
         )
     scale = _default_scale(scale, q.shape[-1])
     which = _resolve_backend(backend, q)
-    off_by_one = _off_by_one(causal)
     with torch.no_grad():
         if which == "cpu_flash":
-            return block_cpu.backward(
-                dout, q, k, v, out, lse, seg, causal, scale, off_by_one=off_by_one
-            )
+            return block_cpu.backward(dout, q, k, v, out, lse, seg, causal, scale)
         if which == "cuda_flash":
             return block_cuda.backward(
                 dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seg, causal, scale
             )
-        return block_math.backward(
-            dout, q, k, v, out, lse, seg, causal, scale, off_by_one=off_by_one
-        )
+        return block_math.backward(dout, q, k, v, out, lse, seg, causal, scale)
 
 
 def merge_lse(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:

@@ -18,9 +18,8 @@ Kernel traps handled here (found by probing torch 2.13 CPU):
   over kv heads), so k/v are expanded to Hq heads per document for the backward call and dk/dv
   summed back per group.
 
-``off_by_one`` is the test-only planted bug ``block._MUTATION == "causal_off_by_one"`` (causal
-blocks let query i see key i+1 too), passed in by the dispatcher for causal blocks only; it is
-``False`` otherwise.
+The two kernel calls are :func:`kernel_forward` and :func:`kernel_backward` (one document each),
+so that the per-document bookkeeping around them stays in one place.
 """
 
 from __future__ import annotations
@@ -31,43 +30,50 @@ from torch import Tensor
 from learner.attention.block_common import NEG_INF, Segments, lse_dtype
 
 
-def _cpu_mask(n: int, dtype: torch.dtype) -> Tensor:
-    """Float additive mask [n, n] for the planted off-by-one bug (tests only)."""
-    allowed = torch.ones(n, n, dtype=torch.bool).tril(diagonal=1)
-    return torch.zeros(n, n, dtype=dtype).masked_fill(~allowed, NEG_INF)
-
-
 def _bhtd(x: Tensor, start: int, end: int) -> Tensor:
     """Rows start..end of a THD tensor as the [1, H, L, D] view the CPU kernel takes."""
     return x[start:end].transpose(0, 1).unsqueeze(0)
 
 
-def forward(
+def kernel_forward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """The CPU flash kernel on one document: q ``[1, Hq, Lq, D]``, k/v ``[1, Hkv, Lk, D]``
+    (neither length 0) -> ``(out [1, Hq, Lq, D], lse [1, Hq, Lq])``."""
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    out, lse = kernel(q, k, v, 0.0, causal, scale=scale)
+    return out, lse
+
+
+def kernel_backward(
+    dout: Tensor,
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    seg: Segments,
+    out: Tensor,
+    lse: Tensor,
     causal: bool,
     scale: float,
-    *,
-    off_by_one: bool,
-    empty_lse: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The CPU flash kernel's backward on one document, shapes as :func:`kernel_forward`
+    (``lse`` ``[1, Hq, Lq]``, any strides) -> ``(dq, dk, dv)`` shaped like q, k, v."""
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    dq, dk, dv = kernel(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return dq, dk, dv
+
+
+def forward(
+    q: Tensor, k: Tensor, v: Tensor, seg: Segments, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` of one block; ``empty_lse`` is the lse of rows that see no key."""
-    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    """``(out, lse)`` of one block; rows that see no key keep ``out = 0, lse = -inf``."""
     tq, hq, _ = q.shape
     out = q.new_zeros(q.shape)
-    lse = torch.full((hq, tq), empty_lse, dtype=lse_dtype(q.dtype), device=q.device)
+    lse = torch.full((hq, tq), NEG_INF, dtype=lse_dtype(q.dtype), device=q.device)
     for qs, qe, ks, ke in seg.docs():
         if qe == qs or ke == ks:  # the kernel dies with SIGFPE on empty segments
             continue
         qd, kd, vd = _bhtd(q, qs, qe), _bhtd(k, ks, ke), _bhtd(v, ks, ke)
-        if off_by_one:
-            o, l_ = kernel(
-                qd, kd, vd, 0.0, False, attn_mask=_cpu_mask(qe - qs, q.dtype), scale=scale
-            )
-        else:
-            o, l_ = kernel(qd, kd, vd, 0.0, causal, scale=scale)
+        o, l_ = kernel_forward(qd, kd, vd, causal, scale)
         out[qs:qe] = o[0].transpose(0, 1)
         lse[:, qs:qe] = l_[0]
     return out, lse
@@ -83,11 +89,8 @@ def backward(
     seg: Segments,
     causal: bool,
     scale: float,
-    *,
-    off_by_one: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of one block, replayed against the (joint) ``out`` and ``lse``."""
-    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     hkv = k.shape[1]
     group = q.shape[1] // hkv
@@ -100,21 +103,11 @@ def backward(
         # A row whose joint lse is -inf saw no key anywhere: +inf makes P = exp(S - lse) = 0.
         ld = lse[:, qs:qe]
         ld = ld.masked_fill(ld == NEG_INF, float("inf")).unsqueeze(0)
-        mask = _cpu_mask(qe - qs, q.dtype) if off_by_one else None
         kd, vd = _bhtd(k, ks, ke), _bhtd(v, ks, ke)
         if group > 1:  # the kernel's GQA backward is several times slower than MHA on CPU
             kd, vd = kd.repeat_interleave(group, dim=1), vd.repeat_interleave(group, dim=1)
-        g = kernel(
-            _bhtd(dout, qs, qe),
-            _bhtd(q, qs, qe),
-            kd,
-            vd,
-            _bhtd(out, qs, qe),
-            ld,
-            0.0,
-            causal and not off_by_one,
-            attn_mask=mask,
-            scale=scale,
+        g = kernel_backward(
+            _bhtd(dout, qs, qe), _bhtd(q, qs, qe), kd, vd, _bhtd(out, qs, qe), ld, causal, scale
         )
         dq[qs:qe] = g[0][0].transpose(0, 1)
         gk, gv = g[1][0].transpose(0, 1), g[2][0].transpose(0, 1)  # [Lk, Hq or Hkv, D]

@@ -81,18 +81,9 @@ def forward(
     seg: Segments,
     causal: bool,
     scale: float,
-    *,
-    off_by_one: bool,
-    empty_lse: float,
 ) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` of one block; ``empty_lse`` is the lse of rows that see no key.
-
-    ``off_by_one`` (the test-only planted bug ``block._MUTATION == "causal_off_by_one"`` on a
-    causal block) has no flash version and is refused.
-    """
+    """``(out, lse)`` of one block; rows that see no key get ``out = 0, lse = -inf``."""
     _cuda_check(q)
-    if off_by_one:
-        raise NotImplementedError("the planted off-by-one bug exists for cpu_flash/math only")
     tq, hq, d = q.shape
     rows = max(tq, k.shape[0]) + 128 * (len(seg.q) - 1)
     chunks = _flash_head_chunks(rows, hq, k.shape[1], d)
@@ -122,7 +113,7 @@ def forward(
     lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=0)
     if not causal:  # a causal diagonal row always sees its own key
         has = _rows_with_keys(cu_q, cu_k, tq)
-        lse = torch.where(has.unsqueeze(0), lse, torch.full_like(lse, empty_lse))
+        lse = torch.where(has.unsqueeze(0), lse, torch.full_like(lse, NEG_INF))
         out = torch.where(has[:, None, None], out, torch.zeros_like(out))
     return out, lse
 

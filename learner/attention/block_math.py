@@ -5,11 +5,8 @@ Per document and in query chunks of ``_MATH_CHUNK`` rows, so memory is
 the fallback for fp32/fp64 on CUDA. Accumulates in the lse dtype (fp32, or fp64 for fp64
 inputs). Inputs are validated by :mod:`learner.attention.block`; layouts are the ones documented
 there. Documents with 0 queries or 0 keys are skipped, so their rows keep ``out = 0`` and the
-empty-row lse.
-
-``off_by_one`` is the test-only planted bug ``block._MUTATION == "causal_off_by_one"`` (causal
-blocks let query i see key i+1 too), passed in by the dispatcher for causal blocks only; it is
-``False`` otherwise.
+lse of ``-inf``. The masked scores of a query chunk come from one function,
+:func:`_math_scores`, which forward and backward share.
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ def _math_scores(
     causal: bool,
     scale: float,
     acc: torch.dtype,
-    off_by_one: bool,
 ) -> Tensor:
     """Masked scores [Hkv, G, C, Lk] of query chunk qc [C, Hq, D] (rows row0..) over kd."""
     c, hq, d = qc.shape
@@ -39,10 +35,9 @@ def _math_scores(
     kt = kd.to(acc).permute(1, 2, 0).unsqueeze(1)  # [Hkv, 1, D, Lk]
     s = torch.matmul(qg, kt) * scale
     if causal:
-        shift = 1 if off_by_one else 0
         rows = torch.arange(row0, row0 + c, device=qc.device).unsqueeze(1)
         cols = torch.arange(lk, device=qc.device).unsqueeze(0)
-        s = s.masked_fill(cols > rows + shift, NEG_INF)
+        s = s.masked_fill(cols > rows, NEG_INF)
     return s
 
 
@@ -53,15 +48,12 @@ def forward(
     seg: Segments,
     causal: bool,
     scale: float,
-    *,
-    off_by_one: bool,
-    empty_lse: float,
 ) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` of one block; ``empty_lse`` is the lse of rows that see no key."""
+    """``(out, lse)`` of one block; rows that see no key keep ``out = 0, lse = -inf``."""
     acc = lse_dtype(q.dtype)
     tq, hq, d = q.shape
     out = q.new_zeros(q.shape)
-    lse = torch.full((hq, tq), empty_lse, dtype=acc, device=q.device)
+    lse = torch.full((hq, tq), NEG_INF, dtype=acc, device=q.device)
     for qs, qe, ks, ke in seg.docs():
         if qe == qs or ke == ks:
             continue
@@ -69,7 +61,7 @@ def forward(
             r1 = min(r0 + _MATH_CHUNK, qe - qs)
             kend = min(r1 + 1, ke - ks) if causal else ke - ks  # causal rows < r1 see keys < r1+1
             kd, vd = k[ks : ks + kend], v[ks : ks + kend]
-            s = _math_scores(q[qs + r0 : qs + r1], kd, r0, causal, scale, acc, off_by_one)
+            s = _math_scores(q[qs + r0 : qs + r1], kd, r0, causal, scale, acc)
             m = torch.logsumexp(s, dim=-1)  # [Hkv, G, C]; every row has >= 1 key here
             p = torch.exp(s - m.unsqueeze(-1))
             o = torch.matmul(p, vd.to(acc).permute(1, 0, 2).unsqueeze(1))  # [Hkv, G, C, D]
@@ -88,8 +80,6 @@ def backward(
     seg: Segments,
     causal: bool,
     scale: float,
-    *,
-    off_by_one: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of one block, replayed against the (joint) ``out`` and ``lse``."""
     acc = lse_dtype(q.dtype)
@@ -107,7 +97,7 @@ def backward(
             c = r1 - r0
             kend = min(r1 + 1, ke - ks) if causal else ke - ks
             kd, vd = k[ks : ks + kend], v[ks : ks + kend]
-            s = _math_scores(q[qs + r0 : qs + r1], kd, r0, causal, scale, acc, off_by_one)
+            s = _math_scores(q[qs + r0 : qs + r1], kd, r0, causal, scale, acc)
             ld = lse[:, qs + r0 : qs + r1].to(acc).reshape(hkv, g, c, 1)
             ld = ld.masked_fill(ld == NEG_INF, float("inf"))
             p = torch.exp(s - ld)  # [Hkv, G, C, Lk]

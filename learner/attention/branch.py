@@ -34,19 +34,11 @@ import math
 import torch
 from torch import Tensor
 
-from learner.attention import block as _block
 from learner.attention.block import Backend, block_backward, block_forward, merge_lse
 
 __all__ = ["BranchAttentionFn", "branch_attention", "merge_lse"]
 
 _NEG_INF = float("-inf")
-
-# The planted-bug switch is block._MUTATION (tests only). Values checked in this file:
-#   "branch_diag_only"    pass p sees only pass p's branch key, not passes 1..p
-#   "branch_skip_own"     pass p sees passes 1..p-1 only (its own key missing)
-#   "own_lse_replay"      backward replays trunk and branch with their own out/lse (merge done
-#                         "outside": the gradient through the lse is dropped)
-#   "empty_row_lse_zero"  pass 0's empty branch carries lse 0 instead of -inf
 
 
 def _passes_to_heads(x: Tensor, hkv: int) -> Tensor:
@@ -77,11 +69,6 @@ def _lse_passes_to_heads(lse: Tensor, hkv: int) -> Tensor:
 
 def _branch_keys(p: int) -> range:
     """Passes whose keys at the same position the query of pass p sees in the branch: 1..p."""
-    mutation = _block._MUTATION
-    if mutation == "branch_diag_only":
-        return range(max(p, 1), p + 1)
-    if mutation == "branch_skip_own":
-        return range(1, p)
     return range(1, p + 1)
 
 
@@ -100,9 +87,8 @@ def _branch_pass_forward(
     acc = _acc(qp.dtype)
     keys = _branch_keys(p)
     if len(keys) == 0:
-        empty = 0.0 if _block._MUTATION == "empty_row_lse_zero" else _NEG_INF
         out = torch.zeros((), dtype=acc, device=qp.device).expand(t, hq, d)
-        return out, torch.full((), empty, dtype=acc, device=qp.device).expand(t, hq)
+        return out, torch.full((), _NEG_INF, dtype=acc, device=qp.device).expand(t, hq)
     sl = slice(keys.start, keys.stop)
     q4 = qp.to(acc).reshape(t, hkv, hq // hkv, d)
     s = torch.einsum("tngc,etnc->tnge", q4, k[sl].to(acc)) * scale  # [T, Hkv, G, |keys|]
@@ -205,28 +191,16 @@ class BranchAttentionFn(torch.autograd.Function):
         acc = _acc(q.dtype)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
-        keep_branch = _block._MUTATION == "own_lse_replay"
-        branch = []
         for p in range(q.shape[0]):
             out_b, lse_b = _branch_pass_forward(q[p], k, v, p, scale)
-            o, lse[p] = merge_lse(out_a[p], lse_a[p].to(acc), out_b, lse_b)
-            out[p] = o
-            if keep_branch:
-                branch.append((out_b, lse_b))
+            out[p], lse[p] = merge_lse(out_a[p], lse_a[p].to(acc), out_b, lse_b)
         ctx.opts = (scale, backend)
-        if keep_branch:
-            out_b = torch.stack([b[0] for b in branch]).to(q.dtype)
-            lse_b = torch.stack([b[1] for b in branch])
-            ctx.save_for_backward(q, k, v, cu_seqlens, out_a, lse_a, out_b, lse_b, lse)
-        else:
-            ctx.save_for_backward(q, k, v, cu_seqlens, out, lse)
+        ctx.save_for_backward(q, k, v, cu_seqlens, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         scale, backend = ctx.opts
-        if _block._MUTATION == "own_lse_replay":
-            return BranchAttentionFn._backward_own_lse(ctx, dout)
         q, k, v, cu, out, lse = ctx.saved_tensors
         dq_a, dk0, dv0 = _trunk_backward(dout, q, k, v, out, lse, cu, scale, backend)
         acc = _acc(q.dtype)
@@ -238,27 +212,6 @@ class BranchAttentionFn(torch.autograd.Function):
             dq_b = _branch_pass_backward(dout[p], q[p], k, v, out[p], lse[p], p, scale, dk, dv)
             dq[p] = dq_a[p] if dq_b is None else dq_a[p].to(acc) + dq_b
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
-
-    @staticmethod
-    def _backward_own_lse(ctx, dout):  # planted bug "own_lse_replay", tests only
-        scale, backend = ctx.opts
-        q, k, v, cu, out_a, lse_a, out_b, lse_b, lse = ctx.saved_tensors
-        w_a = torch.exp(lse_a.to(lse.dtype) - lse).unsqueeze(-1)
-        w_b = torch.exp(lse_b - lse).unsqueeze(-1)
-        dq_a, dk0, dv0 = _trunk_backward(
-            (dout * w_a).to(q.dtype), q, k, v, out_a, lse_a, cu, scale, backend
-        )
-        dq = dq_a.to(lse.dtype)
-        dk = torch.zeros(k.shape, dtype=lse.dtype, device=k.device)
-        dv = torch.zeros(v.shape, dtype=lse.dtype, device=v.device)
-        dk[0], dv[0] = dk0, dv0
-        for p in range(q.shape[0]):
-            dq_b = _branch_pass_backward(
-                dout[p] * w_b[p], q[p], k, v, out_b[p], lse_b[p], p, scale, dk, dv
-            )
-            if dq_b is not None:
-                dq[p] += dq_b
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def branch_attention(

@@ -17,9 +17,6 @@ Up to :data:`MAX_BRANCH` branch keys (K <= 8 passes). Branch keys/values come as
 tensors of one shape and layout; they are passed as separate pointers and picked at compile
 time (the kernels live in :mod:`learner.attention.branch_triton_kernels`).
 ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (what the tests do).
-
-``_BUG`` plants a bug for the mutation test (tests/test_branch_triton.py) and is 0 otherwise:
-1 drops the lse gradient (``delta = 0``), 2 merges without rescaling the running sum.
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ import torch
 from torch import Tensor
 
 MAX_BRANCH = 7
-_BUG = 0
 
 
 def interpreted() -> bool:
@@ -110,7 +106,7 @@ def merge(
         q.stride(0), q.stride(1), out_a.stride(0), out_a.stride(1),
         lse_a.stride(0), lse_a.stride(1), out.stride(0), out.stride(1),
         lse.stride(0), lse.stride(1), kb[0].stride(0), kb[0].stride(1),
-        G=g, D=q.shape[2], NB=len(kb), BT=bt, BG=bg, BD=bd, BUG=_BUG, num_warps=warps,
+        G=g, D=q.shape[2], NB=len(kb), BT=bt, BG=bg, BD=bd, num_warps=warps,
     )  # fmt: skip
     return out, lse
 
@@ -144,6 +140,6 @@ def grad(
         dq.stride(0), dq.stride(1), dout.stride(0), dout.stride(1), q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         kb[0].stride(0), kb[0].stride(1),
-        G=g, D=q.shape[2], NB=len(kb), BT=bt, BG=bg, BD=bd, BUG=_BUG, num_warps=warps,
+        G=g, D=q.shape[2], NB=len(kb), BT=bt, BG=bg, BD=bd, num_warps=warps,
     )  # fmt: skip
     return dks, dvs

@@ -1,6 +1,5 @@
 """The Triton kernels behind :mod:`learner.attention.branch_triton` (imported only when they
-run, so that importing the learner never needs triton). See that module for the arithmetic.
-``BUG`` plants a bug for the mutation test and is 0 otherwise."""
+run, so that importing the learner never needs triton). See that module for the arithmetic."""
 
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ def merge_kernel(
     T, scale,
     sq_t, sq_h, soa_t, soa_h, sla_t, sla_h, so_t, so_h, sl_t, sl_h, sk_t, sk_h,
     G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
-    BT: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BUG: tl.constexpr,
+    BT: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     kvh = tl.program_id(1)
@@ -60,8 +59,6 @@ def merge_kernel(
         s = tl.sum(q * k[:, None, :], axis=2) * scale
         m_new = tl.maximum(m, s)
         alpha = tl.exp(m - m_new)  # 0 when the trunk is empty (m = -inf)
-        if BUG == 2:
-            alpha = alpha * 0.0 + 1.0
         p = tl.exp(s - m_new)
         z = z * alpha + p
         acc = acc * alpha[:, :, None] + p[:, :, None] * v[:, None, :]
@@ -81,7 +78,7 @@ def grad_kernel(
     T, scale,
     sdq_t, sdq_h, sdo_t, sdo_h, sq_t, sq_h, so_t, so_h, sl_t, sl_h, sk_t, sk_h,
     G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
-    BT: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BUG: tl.constexpr,
+    BT: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     kvh = tl.program_id(1)
@@ -95,8 +92,6 @@ def grad_kernel(
     do = tl.load(DO + t3 * sdo_t + h3 * sdo_h + d3, mask=m3, other=0.0).to(tl.float32)
     o = tl.load(OUT + t3 * so_t + h3 * so_h + d3, mask=m3, other=0.0).to(tl.float32)
     delta = tl.sum(do * o, axis=2)
-    if BUG == 1:
-        delta = delta * 0.0
     lse = tl.load(L + t[:, None] * sl_t + h[None, :] * sl_h, mask=m2, other=0.0).to(tl.float32)
     q = tl.load(Q + t3 * sq_t + h3 * sq_h + d3, mask=m3, other=0.0).to(tl.float32)
     dq_ptr = DQ + t3 * sdq_t + h3 * sdq_h + d3

@@ -27,30 +27,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from learner.attention.block import Backend, block_backward, block_forward
-from learner.attention.ring_branch import (
-    branch_backward_into,
-    branch_forward,
-    branch_merge_into,
-    merge_into,
-)
+from learner.attention.ring_branch import branch_backward_into, branch_merge_into, merge_into
 
 if TYPE_CHECKING:
     from learner.parallel.ring_comm import Ring
     from learner.parallel.zigzag import ZigzagLayout
-
-# Test-only planted-bug switch (tests/test_cp.py sets it in its workers to prove the tests catch
-# each bug; block._MUTATION = "causal_off_by_one" covers the off-by-one causal step 0). Values:
-#   "wrong_half"        steps s <= r use the BACK half of the arriving shard
-#   "branch_own_lse"    the branch backward replays with its own out/lse, not the joint ones
-#   "dropped_lse_grad"  trunk blocks replay without the rowsum(dout * out) term (the gradient
-#                       through the lse is dropped)
-_MUTATION: str | None = None
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -59,7 +47,12 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 def _front(lay: ZigzagLayout, x: Tensor) -> Tensor:
     """The front half of an arriving shard [Tl, Hkv, D] (its chunk src of every document)."""
-    return lay.take_back(x) if _MUTATION == "wrong_half" else lay.take_front(x)
+    return lay.take_front(x)
+
+
+def _add_front(lay: ZigzagLayout, dst: Tensor, src: Tensor) -> None:
+    """Add the gradient of an arriving shard's front half (``src``) into its accumulator."""
+    lay.add_front(dst, src)
 
 
 def trunk_forward(
@@ -127,8 +120,6 @@ def trunk_backward(
     are this rank's shard's gradients summed over every rank's queries.
     """
     lcu, hcu = lay.local_cu, lay.half_cu
-    if _MUTATION == "dropped_lse_grad":
-        out = torch.zeros_like(out)  # delta = rowsum(dout * out) = 0: the lse's share is lost
     lse_h = lse.t()  # [Hq, Tl] view, the block interface's layout
     dq, dk, dv = block_backward(
         dout, q, k, v, out, lse_h, lcu, lcu, causal=True, scale=scale, backend=backend
@@ -154,7 +145,7 @@ def trunk_backward(
                 causal=False, scale=scale, backend=backend,
             )  # fmt: skip
             dq += dq_s
-            add = lay.add_back if _MUTATION == "wrong_half" else lay.add_front
+            add = partial(_add_front, lay)
         else:
             dq_s, dk_s, dv_s = block_backward(
                 dout_b, q_b, kv[0], kv[1], out_b, lse_b.t(), hcu, lcu, causal=False,
@@ -203,10 +194,7 @@ class RingPassAttentionFn(torch.autograd.Function):
         dq, dk0, dv0 = trunk_backward(dout, q, ks[0], vs[0], out, lse, lay, ring, scale, backend)
         dks, dvs = [dk0.to(ks[0].dtype)], [dv0.to(vs[0].dtype)]
         if n > 1:
-            b_out, b_lse = out, lse
-            if _MUTATION == "branch_own_lse":
-                b_out, b_lse = branch_forward(q, ks[1:], vs[1:], scale)
-            dk_b, dv_b = branch_backward_into(dq, dout, q, ks[1:], vs[1:], b_out, b_lse, scale)
+            dk_b, dv_b = branch_backward_into(dq, dout, q, ks[1:], vs[1:], out, lse, scale)
             dks += dk_b
             dvs += dv_b
         return (dq.to(q.dtype), None, None, None, None, *dks, *dvs)

@@ -223,17 +223,6 @@ def branch_merge(
     return out, lse
 
 
-def branch_forward(
-    q: Tensor, kb: Sequence[Tensor], vb: Sequence[Tensor], scale: float
-) -> tuple[Tensor, Tensor]:
-    """The branch alone: ``(out [T, Hq, D], lse [T, Hq])`` in fp32 (fp64 for fp64 inputs)."""
-    acc = _acc(q.dtype)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse = torch.full(q.shape[:2], _NEG_INF, dtype=acc, device=q.device)
-    branch_merge_into(out, lse, q, kb, vb, scale)
-    return out, lse
-
-
 def branch_backward_into(
     dq: Tensor,
     dout: Tensor,
