@@ -64,11 +64,16 @@ def _read_tensor(path: Path, names: Sequence[str], shape: tuple[int, ...]) -> to
 
 
 def load_head(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    *,
+    config: TargetConfig | None = None,
 ) -> tuple[RMSNorm, nn.Linear]:
-    """The target's final norm and lm_head, read alone from a transformers model folder."""
+    """The target's final norm and lm_head, read alone from a transformers model folder
+    (`config`: its config.json, when already read)."""
     path = Path(path)
-    cfg = TargetConfig.from_pretrained(path)
+    cfg = config if config is not None else TargetConfig.from_pretrained(path)
     H, V = cfg.hidden_size, cfg.vocab_size
     norm_w = _read_tensor(path, ("model.norm.weight", "norm.weight"), (H,))
     head_names = ("lm_head.weight",)
@@ -113,10 +118,13 @@ class Teacher:
         device: torch.device | str = "cpu",
         recompute: bool = False,
         chunk_tokens: int = 1024,
+        config: TargetConfig | None = None,
     ) -> Teacher:
+        """`config`: the folder's config.json, when the caller has read it already."""
         if recompute:
-            return cls.from_model(load_target(path, dtype, device), chunk_tokens=chunk_tokens)
-        norm, head = load_head(path, dtype, device)
+            model = load_target(path, dtype, device, config=config)
+            return cls.from_model(model, chunk_tokens=chunk_tokens)
+        norm, head = load_head(path, dtype, device, config=config)
         return cls(norm, head, chunk_tokens=chunk_tokens)
 
     @classmethod
@@ -233,11 +241,16 @@ class Teacher:
 
 
 def load_embedding(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    *,
+    config: TargetConfig | None = None,
 ) -> torch.Tensor:
-    """The target's token embedding [V, H] alone (the EAGLE-3 draft shares it, frozen)."""
+    """The target's token embedding [V, H] alone (the EAGLE-3 draft shares it, frozen;
+    `config`: the folder's config.json, when already read)."""
     path = Path(path)
-    cfg = TargetConfig.from_pretrained(path)
+    cfg = config if config is not None else TargetConfig.from_pretrained(path)
     w = _read_tensor(
         path,
         ("model.embed_tokens.weight", "embed_tokens.weight"),

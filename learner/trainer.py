@@ -85,7 +85,7 @@ def pick_device(name: str) -> torch.device:
 class Trainer:
     def __init__(
         self,
-        target_dir: str | Path,
+        target_dir: str | Path | None,
         out_dir: str | Path,
         config: TrainConfig | None = None,
         *,
@@ -93,17 +93,35 @@ class Trainer:
         draft: Eagle3Draft | None = None,
         reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None,
         parallel: ContextParallel | None = None,
+        target_config: TargetConfig | None = None,
+        teacher: Teacher | None = None,
+        embedding: torch.Tensor | None = None,
     ) -> None:
         """`parallel` (context parallelism, under torchrun) shards every batch over the CP
-        ranks, sums gradients over dp x cp and normalises the loss by global counts."""
+        ranks, sums gradients over dp x cp and normalises the loss by global counts.
+
+        What the target folder `target_dir` provides can be handed in instead: its parsed
+        config.json (`target_config`), a teacher built elsewhere (`teacher`, e.g. a pipeline
+        stage's own head) and the token embedding [V, H] (`embedding`). With all three given,
+        `target_dir` may be None (a target that exists only in memory)."""
         self.cfg = cfg = config or TrainConfig()
-        self.target_dir = Path(target_dir)
+        if target_dir is None and (target_config is None or teacher is None or embedding is None):
+            raise ValueError(
+                "Trainer without a target folder needs target_config, teacher and embedding"
+            )
+        self.target_dir = Path(target_dir) if target_dir is not None else None
         self.device = pick_device(cfg.device)
-        self.target_config = TargetConfig.from_pretrained(self.target_dir)
+        if target_config is None:
+            target_config = TargetConfig.from_pretrained(self.target_dir)
+        self.target_config = target_config
         self.fingerprint = model_fingerprint(self.target_config)
-        self.teacher = Teacher.from_pretrained(
-            self.target_dir, device=self.device, recompute=cfg.recompute
-        )
+        if teacher is None:
+            teacher = Teacher.from_pretrained(
+                self.target_dir, device=self.device, recompute=cfg.recompute, config=target_config
+            )
+        self.teacher = teacher
+        if embedding is None:
+            embedding = load_embedding(self.target_dir, device=self.device, config=target_config)
         if draft is None:
             torch.manual_seed(cfg.seed)
             draft = new_draft(
@@ -115,7 +133,7 @@ class Trainer:
                 seed=cfg.seed,
             )
         self.draft = draft.to(self.device).train()
-        self.draft.set_embedding(load_embedding(self.target_dir, device=self.device))
+        self.draft.set_embedding(embedding.to(self.device))
         self.opt = torch.optim.AdamW(
             self.draft.parameters(),
             lr=cfg.lr,

@@ -274,15 +274,17 @@ def load_target(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    *,
+    config: TargetConfig | None = None,
 ) -> TargetModel:
     """Load config.json + safetensors from a transformers folder into a frozen, eval TargetModel.
 
     The model is built on the meta device and the file tensors are assigned directly, so
     loading costs about one read of the weights. Missing, unexpected or mis-shaped tensors raise
-    an error naming them.
+    an error naming them. `config`: the folder's config.json when the caller has read it already.
     """
     path = Path(path)
-    cfg = TargetConfig.from_pretrained(path)
+    cfg = config if config is not None else TargetConfig.from_pretrained(path)
     files = safetensors_files(path)
     device = torch.device(device)
     with torch.device("meta"):

@@ -174,12 +174,17 @@ class OnlineLearner:
             if self.buffer.tokens < self.cfg.min_buffer_tokens:
                 return False
             draft = self._new_draft(serving_cfg)
-        self.trainer = Trainer(self.target_dir, out, self.cfg.train, draft=draft)
+        self.trainer = Trainer(
+            self.target_dir, out, self.cfg.train, draft=draft, target_config=self.target_config
+        )
         self.trainer.resume()
         if serving_path is not None:
             try:
                 served, _ = load_draft(serving_path)
-                served.set_embedding(load_embedding(self.target_dir, device=self.trainer.device))
+                embedding = load_embedding(
+                    self.target_dir, device=self.trainer.device, config=self.target_config
+                )
+                served.set_embedding(embedding)
                 self.serving = served.to(self.trainer.device).eval()
             except (DraftCheckpointError, ValueError) as e:
                 log.warning("cannot load the serving draft for comparisons: %s", e)

@@ -192,11 +192,14 @@ def load_stage(
     num_stages: int,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    *,
+    config: TargetConfig | None = None,
 ) -> TargetStage:
     """Stage `index` of `num_stages` of the target in a transformers folder, reading only this
-    stage's tensors (lm_head from the embeddings when they are tied). Frozen, eval mode."""
+    stage's tensors (lm_head from the embeddings when they are tied). Frozen, eval mode.
+    `config`: the folder's config.json, when the caller has read it already."""
     path = Path(path)
-    cfg = TargetConfig.from_pretrained(path)
+    cfg = config if config is not None else TargetConfig.from_pretrained(path)
     ranges = split_layers(cfg.num_layers, num_stages)
     first, last = index == 0, index == num_stages - 1
     with torch.device("meta"):
