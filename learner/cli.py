@@ -1,5 +1,10 @@
 """`codraft learn`: offline from recorded tap files (--from-dir), or online from a live server
-(--server, --tap). Both resume from the newest checkpoint in --out."""
+(--server, --tap). Both resume from the newest checkpoint in --out.
+
+The learner's one command-line module: it declares the options and turns them into the config
+dataclasses the library takes (`TrainConfig`, `ParallelConfig`, `PipelineTrainConfig`,
+`OfflineConfig`, `OnlineConfig`); nothing below it sees argparse.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,17 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from learner.parallel.launch import add_parallel_arguments
-from learner.recompute import add_pp_arguments
+from learner.offline import OfflineConfig
+from learner.parallel.launch import ParallelConfig
+from learner.pipeline_trainer import PipelineTrainConfig
 from learner.trainer import TrainConfig
+
+if TYPE_CHECKING:
+    from learner.online.daemon import OnlineConfig
+
+OFFLINE_STEPS = 500  # --steps when not given, offline (online runs until stopped)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,9 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--token", "--control-token", default=None, help="control token (or a file, or env)"
     )
     p.add_argument("--token-file", "--control-token-file", default=None)
-    p.add_argument("--steps", type=int, default=None, help="stop at this step (offline: 500)")
+    p.add_argument(
+        "--steps", type=int, default=None, help=f"stop at this step (offline: {OFFLINE_STEPS})"
+    )
     p.add_argument("--max-seconds", type=float, default=None, help="online: stop after this")
-    p.add_argument("--k", type=int, default=3, help="TTT passes")
+    p.add_argument("--k", type=int, default=TrainConfig.num_passes, help="TTT passes")
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--token-budget", type=int, default=TrainConfig.token_budget)
     p.add_argument("--draft-vocab", type=int, default=TrainConfig.draft_vocab_size)
@@ -42,12 +56,70 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=9100, help="online /health, /metrics (0: off)")
     p.add_argument("--recompute", action="store_true", help="run the target here for features")
     p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=TrainConfig.seed)
     p.add_argument(
         "--pad-multiple", type=int, default=None, help="pad documents to this (default 2 x cp)"
     )
-    add_parallel_arguments(p)
-    add_pp_arguments(p)
+    par = p.add_argument_group("parallelism (under torchrun)")
+    par.add_argument(
+        "--cp",
+        type=int,
+        default=ParallelConfig.cp,
+        help="context-parallel ranks per batch (start under torchrun with a multiple of it)",
+    )
+    d = PipelineTrainConfig
+    par.add_argument(
+        "--pp", type=int, default=ParallelConfig.pp, help="pipeline stages for target recompute"
+    )
+    par.add_argument("--microbatches", type=int, default=d.microbatches, help="per batch (--pp)")
+    par.add_argument("--tap-slots", type=int, default=d.tap_slots, help="TapChannel ring size")
+    par.add_argument("--tap-timeout", type=float, default=d.tap_timeout_s, help="seconds")
+    par.add_argument("--pipeline-timeout", type=float, default=d.pipeline_timeout_s, help="seconds")
+    par.add_argument("--target-dtype", default=d.target_dtype, help="target compute dtype (--pp)")
+
+
+# ------------------------------------------------------------------ options -> configs
+def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The trainer's settings; offline (a set number of steps) the schedule spans the run."""
+    offline = {}
+    if args.from_dir:
+        offline["total_steps"] = OFFLINE_STEPS if args.steps is None else args.steps
+    return TrainConfig(
+        lr=args.lr,
+        num_passes=args.k,
+        token_budget=args.token_budget,
+        draft_vocab_size=args.draft_vocab,
+        device=args.device,
+        seed=args.seed,
+        recompute=args.recompute,
+        **offline,
+    )
+
+
+def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
+    return ParallelConfig(cp=args.cp, pp=args.pp, device=args.device)
+
+
+def pipeline_config_from_args(args: argparse.Namespace) -> PipelineTrainConfig:
+    return PipelineTrainConfig(
+        microbatches=args.microbatches,
+        tap_slots=args.tap_slots,
+        tap_timeout_s=args.tap_timeout,
+        pipeline_timeout_s=args.pipeline_timeout,
+        target_dtype=args.target_dtype,
+    )
+
+
+def offline_config_from_args(args: argparse.Namespace) -> OfflineConfig:
+    return OfflineConfig(
+        data_dir=args.from_dir,
+        target=args.target,
+        out=args.out,
+        train=train_config_from_args(args),
+        parallel=parallel_config_from_args(args),
+        save_every=args.save_every,
+        pad_multiple=args.pad_multiple,
+    )
 
 
 def _token(args: argparse.Namespace) -> str | None:
@@ -58,31 +130,10 @@ def _token(args: argparse.Namespace) -> str | None:
     return os.environ.get("CODRAFT_CONTROL_TOKEN") or None
 
 
-def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if bool(args.from_dir) == bool(args.server):
-        raise SystemExit("codraft learn: give exactly one of --from-dir DIR or --server URL")
-    if getattr(args, "pp", 1) > 1:
-        if not args.from_dir:
-            raise SystemExit("codraft learn --pp needs --from-dir (ids-only or full tap files)")
-        from learner.recompute import main as pp_main
+def online_config_from_args(args: argparse.Namespace) -> OnlineConfig:
+    from learner.online.daemon import OnlineConfig
 
-        return pp_main(args)
-    if args.from_dir:
-        from learner.offline import train_from_dir
-
-        if args.steps is None:
-            args.steps = 500
-        print(json.dumps(train_from_dir(args), indent=2))
-        return 0
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise SystemExit(
-            "codraft learn --server runs as one process for now (one GPU or CPU); context and "
-            "pipeline parallelism work offline: torchrun ... codraft learn --from-dir DIR --cp N"
-        )
-    from learner.online.daemon import OnlineConfig, OnlineLearner
-
-    cfg = OnlineConfig(
+    return OnlineConfig(
         server=args.server,
         token=_token(args),
         tap=args.tap,
@@ -94,17 +145,37 @@ def main(args: argparse.Namespace) -> int:
         publish_in_background=not args.publish_blocking,
         max_steps=args.steps,
         max_seconds=args.max_seconds,
-        train=TrainConfig(
-            lr=args.lr,
-            num_passes=args.k,
-            token_budget=args.token_budget,
-            draft_vocab_size=args.draft_vocab,
-            device=args.device,
-            seed=args.seed,
-            recompute=args.recompute,
-        ),
+        train=train_config_from_args(args),
     )
-    learner = OnlineLearner(cfg)
+
+
+# ------------------------------------------------------------------ the command
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if bool(args.from_dir) == bool(args.server):
+        raise SystemExit("codraft learn: give exactly one of --from-dir DIR or --server URL")
+    if args.pp > 1:
+        if not args.from_dir:
+            raise SystemExit("codraft learn --pp needs --from-dir (ids-only or full tap files)")
+        from learner.pipeline_trainer import train_pipeline
+
+        result = train_pipeline(offline_config_from_args(args), pipeline_config_from_args(args))
+        if "steps" in result:  # the rank that logs and checkpoints
+            print(json.dumps(result, indent=2))
+        return 0
+    if args.from_dir:
+        from learner.offline import train_from_dir
+
+        print(json.dumps(train_from_dir(offline_config_from_args(args)), indent=2))
+        return 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SystemExit(
+            "codraft learn --server runs as one process for now (one GPU or CPU); context and "
+            "pipeline parallelism work offline: torchrun ... codraft learn --from-dir DIR --cp N"
+        )
+    from learner.online.daemon import OnlineLearner
+
+    learner = OnlineLearner(online_config_from_args(args))
     learner.install_signal_handlers()
     print(json.dumps(learner.run(), indent=2))
     return 0

@@ -2,31 +2,51 @@
 
 The files are the ones `codraft record` writes from a live server (or any TapWriter output):
 full-mode messages carry the target's taps and last hidden state; ids-only messages make the
-trainer recompute them with the target (`--recompute`, or automatically). Training resumes from
-the newest checkpoint in --out, data position included, so a killed run continues where it
-stopped. Each checkpoint's `draft/` folder is an EAGLE-3 checkpoint stock vLLM loads.
+trainer recompute them with the target (`TrainConfig.recompute`, or automatically). Training
+resumes from the newest checkpoint in the output folder, data position included, so a killed run
+continues where it stopped. Each checkpoint's `draft/` folder is an EAGLE-3 checkpoint stock vLLM
+loads. `OfflineConfig` says what to run; `train_from_dir` runs it (learner.cli builds the config
+from the command line).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from codraft.models.config import TargetConfig
 from codraft.prepare import resolve_model
 from codraft.tap import TapDataset, TapExpectation, model_fingerprint, read_taps
 from learner.data.packing import Sample, pack_stream
 from learner.parallel.context import ContextParallel
-from learner.parallel.launch import config_from_args, init_distributed, my_batches, shutdown
+from learner.parallel.launch import ParallelConfig, init_distributed, my_batches, shutdown
 from learner.trainer import StepMetrics, TrainConfig, Trainer
 
 log = logging.getLogger("codraft.learn")
+
+
+@dataclass
+class OfflineConfig:
+    """One training run over recorded tap files (offline, or with the pipeline trainer).
+
+    Training stops at ``train.total_steps`` (also the length of the learning-rate schedule).
+    Each rank trains on the device ``init_distributed`` picks from ``parallel.device``.
+    """
+
+    data_dir: str | Path  # folder of recorded *.taps files
+    target: str | Path = "smollm2"  # target model folder, or a name codraft.prepare resolves
+    out: str | Path = "runs/offline"  # checkpoint folder (resumed when present)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    save_every: int = 100  # steps between checkpoints (and one at the end)
+    pad_multiple: int | None = None  # pad documents to this (default and minimum: 2 x cp)
 
 
 def token_counts(path: Path, vocab_size: int, expect: TapExpectation) -> torch.Tensor:
@@ -43,54 +63,47 @@ def samples(ds: TapDataset) -> Iterator[Sample]:
         yield Sample.from_tap(msg, cursor=ds.state_dict())
 
 
-def _parallel(args: argparse.Namespace):
-    """The mesh under torchrun (`--cp N`), or a single process; ContextParallel only when the
-    job has more than one rank."""
-    mesh, device = init_distributed(config_from_args(args))
-    parallel = ContextParallel(mesh) if mesh.dims.world_size > 1 else None
-    return mesh, device, parallel
-
-
-def train_from_dir(args: argparse.Namespace) -> dict:
-    target = resolve_model(args.target)
-    cfg = TrainConfig(
-        lr=args.lr,
-        num_passes=args.k,
-        token_budget=args.token_budget,
-        draft_vocab_size=args.draft_vocab,
-        total_steps=args.steps,
-        device=args.device,
-        seed=args.seed,
-        recompute=args.recompute,
+def tap_expectation(target_config: TargetConfig) -> TapExpectation:
+    """What every recorded message of this target must match (fingerprint, vocabulary)."""
+    return TapExpectation(
+        fingerprint=model_fingerprint(target_config), vocab_size=target_config.vocab_size
     )
-    data = Path(args.from_dir)
-    out = Path(args.out)
-    from codraft.models.config import TargetConfig
 
-    tcfg = TargetConfig.from_pretrained(target)
-    expect = TapExpectation(fingerprint=model_fingerprint(tcfg), vocab_size=tcfg.vocab_size)
-    mesh, device, parallel = _parallel(args)
-    cfg.device = str(device)
+
+def train_from_dir(cfg: OfflineConfig, *, target_config: TargetConfig | None = None) -> dict:
+    """Train (or resume) to ``cfg.train.total_steps`` under torchrun with ``cfg.parallel.cp``
+    context-parallel ranks per batch, or in one process. `target_config`: the target's parsed
+    config.json, when the caller has read it already. Returns the run's summary."""
+    target = resolve_model(cfg.target)
+    tcfg = target_config if target_config is not None else TargetConfig.from_pretrained(target)
+    expect = tap_expectation(tcfg)
+    data, out = Path(cfg.data_dir), Path(cfg.out)
+    steps = cfg.train.total_steps
+    mesh, device = init_distributed(cfg.parallel)
+    parallel = ContextParallel(mesh) if mesh.dims.world_size > 1 else None
+    train = replace(cfg.train, device=str(device))
     main = mesh.is_main
     fresh = not (out / "latest").exists()
     counts = token_counts(data, tcfg.vocab_size, expect) if fresh else None
-    trainer = Trainer(target, out, cfg, token_counts=counts, parallel=parallel)
+    trainer = Trainer(
+        target, out, train, token_counts=counts, parallel=parallel, target_config=tcfg
+    )
     position = trainer.resume()
     ds = TapDataset(data, expect=expect, loop=True, position=position)
     start = trainer.step_count
-    bar = tqdm(total=args.steps, initial=start, desc="train draft", unit="step", disable=not main)
+    bar = tqdm(total=steps, initial=start, desc="train draft", unit="step", disable=not main)
     history: list[dict] = []
     metrics_file = out / "metrics.jsonl"
     last: StepMetrics | None = None
     cursor = position
     t0 = time.perf_counter()
-    pad = parallel.pad_multiple if parallel is not None else 1
-    pad = max(pad, getattr(args, "pad_multiple", None) or 1)
-    if pad % (parallel.pad_multiple if parallel is not None else 1):
+    least = parallel.pad_multiple if parallel is not None else 1
+    pad = max(least, cfg.pad_multiple or 1)
+    if pad % least:
         raise SystemExit(f"--pad-multiple {pad} must be a multiple of 2 x cp")
-    stream = pack_stream(samples(ds), token_budget=cfg.token_budget, pad_multiple=pad)
+    stream = pack_stream(samples(ds), token_budget=train.token_budget, pad_multiple=pad)
     for batch, batch_cursor in my_batches(stream, mesh):
-        if trainer.step_count >= args.steps:
+        if trainer.step_count >= steps:
             break
         last = trainer.step(batch)
         cursor = batch_cursor
@@ -101,10 +114,10 @@ def train_from_dir(args: argparse.Namespace) -> dict:
                 f.write(json.dumps(row) + "\n")
         bar.update(1)
         bar.set_postfix(loss=f"{last.loss:.3f}", acc1=f"{last.pass_acc[0]:.2f}")
-        if main and (trainer.step_count % args.save_every == 0 or trainer.step_count >= args.steps):
+        if main and (trainer.step_count % cfg.save_every == 0 or trainer.step_count >= steps):
             trainer.save(cursor)
     bar.close()
-    if main and last is not None and trainer.step_count % args.save_every:
+    if main and last is not None and trainer.step_count % cfg.save_every:
         trainer.save(cursor)
     shutdown()
     latest = trainer.ckpt.latest()

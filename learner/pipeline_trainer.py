@@ -1,7 +1,8 @@
-"""`codraft learn --pp N [--cp M]`: train the draft on ids-only data, with the target's features
-recomputed across N pipeline stages (DESIGN.md section 6). Start under torchrun:
+"""The pipeline trainer: the draft trained on ids-only data, with the target's features
+recomputed across `pp` pipeline stages (`codraft learn --pp N [--cp M]`; DESIGN.md section 6).
+Start under torchrun:
 
-    torchrun --nproc-per-node 4 -m learner.recompute --from-dir taps/ --target smollm2 \
+    torchrun --nproc-per-node 4 -m learner.cli --from-dir taps/ --target smollm2 \
         --out ck/ --pp 4 --microbatches 8
 
 Every rank loads only its stage of the target (`load_stage`). Per pipeline, the last stage owns
@@ -15,16 +16,17 @@ microbatches, TapChannel brings the taps to the last stage, and there the draft 
 
 Gradients and loss denominators are summed over the last stage's dp x cp ranks, so every step
 is the single-device step on all of that step's data. World size = pp x dp x cp (dp inferred).
+The pp and cp degrees come from the run's `ParallelConfig` (`OfflineConfig.parallel`); the
+pipeline's own knobs from `PipelineTrainConfig`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +35,12 @@ import torch.distributed as dist
 
 from codraft.models.config import TargetConfig
 from codraft.prepare import resolve_model
-from codraft.tap import TapDataset, TapExpectation, model_fingerprint
+from codraft.tap import TapDataset
 from learner.data.packing import PackedBatch, pack_stream
-from learner.offline import samples, token_counts
+from learner.offline import OfflineConfig, samples, tap_expectation, token_counts
 from learner.parallel.batch_broadcast import broadcast_batch
 from learner.parallel.draft_stage import DraftStage
-from learner.parallel.launch import ParallelConfig, init_distributed, shutdown
+from learner.parallel.launch import init_distributed, shutdown
 from learner.parallel.mesh import ParallelMesh
 from learner.parallel.pipeline import Pipeline, PipelineConfig
 from learner.parallel.pipeline_mesh import PipelineGroups
@@ -53,8 +55,8 @@ log = logging.getLogger("codraft.learn.pp")
 
 @dataclass
 class PipelineTrainConfig:
-    pp: int = 2  # pipeline stages
-    cp: int = 1  # context-parallel ranks per batch (the draft step)
+    """The pipeline's own settings (the pp and cp degrees are the run's `ParallelConfig`)."""
+
     microbatches: int = 4  # per batch and pipeline group (fewer for batches of fewer documents)
     tap_slots: int = 2  # TapChannel landing slots per source
     tap_timeout_s: float = 60.0  # longest TapChannel wait
@@ -62,11 +64,8 @@ class PipelineTrainConfig:
     target_dtype: str = "float32"  # the target's compute dtype (float32, bfloat16, float16)
 
     def __post_init__(self) -> None:
-        if self.pp < 1 or self.cp < 1 or self.microbatches < 1:
-            raise ValueError(
-                f"pp, cp and microbatches must be >= 1, got {self.pp}, {self.cp}, "
-                f"{self.microbatches}"
-            )
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
         if not isinstance(getattr(torch, self.target_dtype, None), torch.dtype):
             raise ValueError(f"unknown target dtype {self.target_dtype!r}; use float32/bfloat16")
 
@@ -75,35 +74,36 @@ class PipelineTrainConfig:
         return getattr(torch, self.target_dtype)
 
 
-def add_pp_arguments(p: argparse.ArgumentParser) -> None:
-    """The pipeline options of `codraft learn` (`--cp` comes from learner.parallel.launch)."""
-    d = PipelineTrainConfig
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages for target recompute")
-    p.add_argument("--microbatches", type=int, default=d.microbatches, help="per batch (--pp)")
-    p.add_argument("--tap-slots", type=int, default=d.tap_slots, help="TapChannel ring size")
-    p.add_argument("--tap-timeout", type=float, default=d.tap_timeout_s, help="seconds")
-    p.add_argument("--pipeline-timeout", type=float, default=d.pipeline_timeout_s, help="seconds")
-    p.add_argument("--target-dtype", default=d.target_dtype, help="target compute dtype (--pp)")
-
-
-def pp_config_from_args(args: argparse.Namespace) -> PipelineTrainConfig:
-    return PipelineTrainConfig(
-        pp=args.pp,
-        cp=getattr(args, "cp", 1),
-        microbatches=args.microbatches,
-        tap_slots=args.tap_slots,
-        tap_timeout_s=args.tap_timeout,
-        pipeline_timeout_s=args.pipeline_timeout,
-        target_dtype=args.target_dtype,
-    )
-
-
 class PipelineLearner:
-    """One rank of a recompute-mode learner: its target stage, its pipeline, and (last stage)
-    the trainer. Every rank calls `step` in lockstep; see the module docstring."""
+    """One rank of a recompute-mode learner: its pipeline (its target stage, its TapChannel)
+    and, on the last stage, the trainer. Every rank calls `step` in lockstep; see the module
+    docstring. `load` builds one from a target folder; the constructor takes the parts."""
 
     def __init__(
         self,
+        pipeline: Pipeline,
+        trainer: Trainer | None,
+        mesh: ParallelMesh,
+        device: torch.device,
+    ) -> None:
+        """`pipeline`: this rank's (`Pipeline`, built with the draft's tap layers); `trainer`:
+        the draft's, on the last stage only (None elsewhere)."""
+        self.pipeline, self.trainer, self.mesh, self.device = pipeline, trainer, mesh, device
+        self.groups = pipeline.groups
+        if self.groups.is_last != (trainer is not None):
+            raise ValueError("the last stage of a pipeline needs the trainer, other stages none")
+        self.stage = pipeline.stage
+        self.tap_layers = pipeline.tap_layers
+        self.channel = pipeline.channel
+        self._cp = None
+        if self.groups.is_last and mesh.dims.cp > 1:
+            from learner.parallel.context import ContextParallel
+
+            self._cp = ContextParallel(mesh)
+
+    @classmethod
+    def load(
+        cls,
         target_dir: str | Path,
         out_dir: str | Path,
         train: TrainConfig,
@@ -111,49 +111,42 @@ class PipelineLearner:
         mesh: ParallelMesh,
         device: torch.device,
         token_counts: torch.Tensor | None = None,
-    ) -> None:
-        self.cfg, self.mesh, self.device = cfg, mesh, device
-        if mesh.dims.pp != cfg.pp or mesh.dims.cp != cfg.cp:
-            raise ValueError(
-                f"the mesh is pp {mesh.dims.pp} x cp {mesh.dims.cp}, the config asks for "
-                f"pp {cfg.pp} x cp {cfg.cp}"
-            )
-        self.groups = PipelineGroups.build(mesh)
-        g = self.groups
-        self.stage = load_stage(target_dir, g.stage, g.num_stages, cfg.torch_dtype, device)
-        self.trainer: Trainer | None = None
+        *,
+        target_config: TargetConfig | None = None,
+    ) -> PipelineLearner:
+        """This rank's stage of the target in `target_dir`, its pipeline and (last stage) the
+        trainer checkpointing into `out_dir`. Collective over the mesh (groups, the tap layers'
+        broadcast). `target_config`: the folder's config.json, when already read."""
+        tcfg = target_config
+        if tcfg is None:
+            tcfg = TargetConfig.from_pretrained(target_dir)
+        g = PipelineGroups.build(mesh)
+        stage = load_stage(target_dir, g.stage, g.num_stages, cfg.torch_dtype, device, config=tcfg)
+        trainer: Trainer | None = None
         tap_layers: list[Any] = [None]
         if g.is_last:
-            train = TrainConfig(**{**vars(train), "recompute": False, "device": str(device)})
-            self.trainer = Trainer(target_dir, out_dir, train, token_counts=token_counts)
-            # the stage's own head is the teacher (drop the trainer's copy of it)
-            self.trainer.teacher = Teacher(self.stage.norm, self.stage.lm_head)
-            tap_layers = [list(self.trainer.tap_layers)]
+            train = replace(train, recompute=False, device=str(device))
+            trainer = Trainer(
+                target_dir, out_dir, train, token_counts=token_counts, target_config=tcfg,
+                teacher=Teacher(stage.norm, stage.lm_head),  # the stage's own head
+            )  # fmt: skip
+            tap_layers = [list(trainer.tap_layers)]
         if g.pp_group is not None:
             dist.broadcast_object_list(
                 tap_layers, src=g.stage_ranks[-1], group=g.pp_group, device=device
             )
-        self.tap_layers = tuple(tap_layers[0])
-        ranges = split_layers(self.stage.config.num_layers, g.num_stages)
-        self.channel = g.tap_channel(
-            self.tap_layers,
-            ranges,
+        taps = tuple(tap_layers[0])
+        channel = g.tap_channel(
+            taps,
+            split_layers(stage.config.num_layers, g.num_stages),
             dtype=cfg.torch_dtype,
             device=device,
             config=TapChannelConfig(cfg.tap_slots, cfg.tap_timeout_s),
         )
-        self.pipeline = Pipeline(
-            self.stage,
-            g,
-            self.tap_layers,
-            self.channel,
-            PipelineConfig(cfg.microbatches, cfg.pipeline_timeout_s),
+        pipeline = Pipeline(
+            stage, g, taps, channel, PipelineConfig(cfg.microbatches, cfg.pipeline_timeout_s)
         )
-        self._cp = None
-        if g.is_last and cfg.cp > 1:
-            from learner.parallel.context import ContextParallel
-
-            self._cp = ContextParallel(mesh)
+        return cls(pipeline, trainer, mesh, device)
 
     @property
     def is_data_rank(self) -> bool:
@@ -185,11 +178,19 @@ class PipelineLearner:
         batch = broadcast_batch(batch, src, g.pp_group, self.device) if g.pp_group else batch
         if batch is None:
             return None
-        share = (self.mesh.cp_rank, self.cfg.cp)
+        share = (self.mesh.cp_rank, self.mesh.dims.cp)
         if not g.is_last:
             self.pipeline.run(batch, None, share)
             return True
         return self._train_step(batch, share)
+
+    def draft_stage(self) -> DraftStage:
+        """The last stage's consumer for one step with cp = 1: the draft's TTT per microbatch."""
+        tr = self.trainer
+        return DraftStage(
+            tr.draft, tr.teacher, tr.cfg.ttt(), reduce_counts=self._reduce,
+            autocast_dtype=self._autocast(),
+        )  # fmt: skip
 
     def _train_step(self, batch: PackedBatch, share: tuple[int, int]) -> StepMetrics:
         tr = self.trainer
@@ -197,10 +198,7 @@ class PipelineLearner:
         lr = tr.begin_step()
         params = list(tr.draft.parameters())
         if self._cp is None:
-            consumer = DraftStage(
-                tr.draft, tr.teacher, tr.cfg.ttt(), reduce_counts=self._reduce,
-                autocast_dtype=self._autocast(),
-            )  # fmt: skip
+            consumer = self.draft_stage()
             consumer.begin(batch)
             self.pipeline.run(batch, consumer, share)
             res = consumer.finish()
@@ -253,55 +251,52 @@ class PipelineLearner:
 
 def _batches(learner: PipelineLearner, ds: TapDataset, budget: int) -> Iterator[PackedBatch]:
     """This replica's batches of the common stream (batch i goes to replica i % dp)."""
-    pad = 2 * learner.cfg.cp if learner.cfg.cp > 1 else 1
+    cp = learner.mesh.dims.cp
+    pad = 2 * cp if cp > 1 else 1
     for i, batch in enumerate(pack_stream(samples(ds), token_budget=budget, pad_multiple=pad)):
         if i % learner.mesh.dp_size == learner.mesh.dp_rank:
             yield batch
 
 
-def train_pipeline(args: argparse.Namespace) -> dict[str, Any]:
-    """The recompute-mode training loop (every rank runs it; see the module docstring)."""
-    if not args.from_dir:
-        raise SystemExit("recompute mode with --pp reads recorded tap files: give --from-dir DIR")
-    if args.steps is None:
-        args.steps = 500
-    cfg = pp_config_from_args(args)
-    par = ParallelConfig(cp=cfg.cp, pp=cfg.pp, device=args.device)
-    mesh, device = init_distributed(par)
-    target = resolve_model(args.target)
-    train = TrainConfig(
-        lr=args.lr,
-        num_passes=args.k,
-        token_budget=args.token_budget,
-        draft_vocab_size=args.draft_vocab,
-        total_steps=args.steps,
-        seed=args.seed,
-    )
-    tcfg = TargetConfig.from_pretrained(target)
-    expect = TapExpectation(fingerprint=model_fingerprint(tcfg), vocab_size=tcfg.vocab_size)
-    out, data = Path(args.out), Path(args.from_dir)
-    stage = mesh.pp_rank
+def train_pipeline(
+    run: OfflineConfig,
+    pipeline: PipelineTrainConfig | None = None,
+    *,
+    target_config: TargetConfig | None = None,
+) -> dict[str, Any]:
+    """The recompute-mode training loop (every rank runs it; see the module docstring): `run`
+    says what to train on and for how long (`run.parallel`: pp and cp), `pipeline` how the
+    pipeline runs. `target_config`: the target's parsed config.json, when already read."""
+    pipeline = pipeline or PipelineTrainConfig()
+    steps = run.train.total_steps
+    mesh, device = init_distributed(run.parallel)
+    target = resolve_model(run.target)
+    tcfg = target_config if target_config is not None else TargetConfig.from_pretrained(target)
+    expect = tap_expectation(tcfg)
+    out, data = Path(run.out), Path(run.data_dir)
     counts = None
-    if stage == cfg.pp - 1 and not (out / "latest").exists():
+    if mesh.pp_rank == mesh.dims.pp - 1 and not (out / "latest").exists():
         counts = token_counts(data, tcfg.vocab_size, expect)
-    learner = PipelineLearner(target, out, train, cfg, mesh, device, counts)
+    learner = PipelineLearner.load(
+        target, out, run.train, pipeline, mesh, device, counts, target_config=tcfg
+    )
     tr = learner.trainer
     batches: Iterator[PackedBatch] | None = None
     if learner.is_data_rank:
         position = tr.resume()
         ds = TapDataset(data, expect=expect, loop=True, position=position)
-        batches = _batches(learner, ds, train.token_budget)
+        batches = _batches(learner, ds, run.train.token_budget)
     history: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     bar = None
     if learner.is_main:
         from tqdm import tqdm
 
-        bar = tqdm(total=args.steps, initial=tr.step_count, desc="train draft (pp)", unit="step")
+        bar = tqdm(total=steps, initial=tr.step_count, desc="train draft (pp)", unit="step")
     cursor = None
     while True:
         batch = None
-        if learner.is_data_rank and tr.step_count < args.steps:
+        if learner.is_data_rank and tr.step_count < steps:
             batch = next(batches, None)
         got = learner.step(batch)
         if got is None:
@@ -316,14 +311,14 @@ def train_pipeline(args: argparse.Namespace) -> dict[str, Any]:
                 f.write(json.dumps(row) + "\n")
             bar.update(1)
             bar.set_postfix(loss=f"{got.loss:.3f}", acc1=f"{got.pass_acc[0]:.2f}")
-            if tr.step_count % args.save_every == 0 or tr.step_count >= args.steps:
+            if tr.step_count % run.save_every == 0 or tr.step_count >= steps:
                 tr.save(cursor)
     if bar is not None:
         bar.close()
     learner.close()
     result: dict[str, Any] = {"rank": mesh.rank, "stage": learner.groups.stage}
     if learner.is_main:
-        if tr.step_count % args.save_every and history:
+        if tr.step_count % run.save_every and history:
             tr.save(cursor)
         latest = tr.ckpt.latest()
         result.update(
@@ -334,33 +329,3 @@ def train_pipeline(args: argparse.Namespace) -> dict[str, Any]:
         )
     shutdown()
     return result
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """`codraft learn`'s arguments plus the pipeline's (for `python -m learner.recompute`)."""
-    from learner.cli import add_arguments
-    from learner.parallel.launch import add_parallel_arguments
-
-    p = argparse.ArgumentParser(
-        prog="python -m learner.recompute",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(p)  # includes --pp/--cp (learner.cli adds the pipeline's and CP's options)
-    if not any("--pp" in a.option_strings for a in p._actions):
-        add_pp_arguments(p)
-    if not any("--cp" in a.option_strings for a in p._actions):
-        add_parallel_arguments(p)
-    return p
-
-
-def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    result = train_pipeline(args)
-    if "steps" in result:
-        print(json.dumps(result, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(build_parser().parse_args()))

@@ -1,6 +1,7 @@
-"""Recompute-mode training under torchrun with PP = 2 (`python -m learner.recompute`, what
-`codraft learn --pp 2` runs): from ids-only tap files, with a resume in the middle, the losses
-and the final draft equal single-device `codraft learn --recompute` on the same data."""
+"""Recompute-mode training under torchrun with PP = 2 (`python -m learner.cli --pp 2`, what
+`codraft learn --pp 2` runs: learner.pipeline_trainer): from ids-only tap files, with a resume in
+the middle, the losses and the final draft equal single-device `codraft learn --recompute` on the
+same data."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def ids_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 def _torchrun(target: Path, data: Path, out: Path, steps: int) -> None:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "learner.recompute", "--from-dir", str(data), "--target", str(target),
+        "-m", "learner.cli", "--from-dir", str(data), "--target", str(target),
         "--out", str(out), "--pp", "2", "--microbatches", "3", "--steps", str(steps),
         "--device", "cpu", *COMMON,
     ]  # fmt: skip
@@ -57,13 +58,14 @@ def _torchrun(target: Path, data: Path, out: Path, steps: int) -> None:
 
 
 def _single(target: Path, data: Path, out: Path, steps: int) -> None:
-    from learner.cli import add_arguments
+    from learner.cli import add_arguments, offline_config_from_args
     from learner.offline import train_from_dir
 
     p = argparse.ArgumentParser()
     add_arguments(p)
     argv = ["--from-dir", str(data), "--target", str(target), "--out", str(out), "--steps"]
-    train_from_dir(p.parse_args([*argv, str(steps), "--recompute", "--device", "cpu", *COMMON]))
+    args = p.parse_args([*argv, str(steps), "--recompute", "--device", "cpu", *COMMON])
+    train_from_dir(offline_config_from_args(args))
 
 
 def _rows(out: Path) -> list[dict]:

@@ -11,6 +11,7 @@ import torch
 from codraft.models.llama import load_target
 from codraft.testing import make_tiny_target
 from learner.data.packing import Sample, pack
+from learner.parallel.launch import ParallelConfig
 from learner.parallel.microbatch import plan_microbatches, split_batch
 from learner.parallel.stage import (
     TargetStage,
@@ -20,7 +21,7 @@ from learner.parallel.stage import (
     taps_by_stage,
 )
 from learner.parallel.tapchannel import TapChannelConfig
-from learner.recompute import PipelineTrainConfig
+from learner.pipeline_trainer import PipelineTrainConfig
 
 
 @pytest.mark.parametrize(
@@ -125,7 +126,9 @@ def test_configs_refuse_nonsense() -> None:
         TapChannelConfig(slots=0)
     with pytest.raises(ValueError, match="timeout_s"):
         TapChannelConfig(timeout_s=0)
-    with pytest.raises(ValueError, match="pp, cp and microbatches"):
-        PipelineTrainConfig(pp=0)
+    with pytest.raises(ValueError, match="cp and pp must be >= 1"):
+        ParallelConfig(pp=0)
+    with pytest.raises(ValueError, match="microbatches must be >= 1"):
+        PipelineTrainConfig(microbatches=0)
     with pytest.raises(ValueError, match="unknown target dtype"):
         PipelineTrainConfig(target_dtype="float7")

@@ -5,7 +5,6 @@ features the server captures)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -18,7 +17,8 @@ from codraft.models.llama import load_target
 from codraft.tap import TapMessage, TapWriter, model_fingerprint
 from codraft.testing import make_agreeing_draft, make_constant_target
 from learner.acceptance import AcceptanceReport, estimate_acceptance, walk
-from learner.offline import train_from_dir
+from learner.offline import OfflineConfig, train_from_dir
+from learner.parallel.launch import ParallelConfig
 from learner.teacher import Teacher, load_embedding
 from learner.trainer import TrainConfig, Trainer, lr_at
 
@@ -48,12 +48,12 @@ def _write_taps(target: Path, out: Path, n: int = 12, seed: int = 0) -> Path:
     return out
 
 
-def _args(data: Path, target: Path, out: Path, steps: int) -> argparse.Namespace:
-    return argparse.Namespace(
-        from_dir=str(data), target=str(target), out=str(out), steps=steps, k=3, lr=3e-3,
-        token_budget=128, draft_vocab=64, save_every=3, recompute=False, device="cpu", seed=0,
-        pad_multiple=None, cp=1,
+def _args(data: Path, target: Path, out: Path, steps: int) -> OfflineConfig:
+    train = TrainConfig(
+        lr=3e-3, num_passes=3, token_budget=128, draft_vocab_size=64, total_steps=steps,
+        device="cpu", seed=0,
     )  # fmt: skip
+    return OfflineConfig(data, target, out, train, ParallelConfig(device="cpu"), save_every=3)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ Context parallelism (docs/context_parallel.md):
 - :mod:`learner.attention.ring`: ring attention for one TTT pass (trunk ring + local branch).
 - :mod:`learner.parallel.roll`: per-document left rolls across chunk boundaries.
 - :mod:`learner.parallel.context`: ``ContextParallel``, one CP training step's pieces.
-- :mod:`learner.parallel.launch`: torchrun start-up (``--cp``).
+- :mod:`learner.parallel.launch`: torchrun start-up (``ParallelConfig``: cp, pp, device).
 
 Pipeline parallelism for target recompute (docs/pipeline.md):
 
@@ -17,7 +17,8 @@ Pipeline parallelism for target recompute (docs/pipeline.md):
 - :mod:`learner.parallel.pipeline`: the forward-only GPipe-style schedule.
 - :mod:`learner.parallel.tapchannel`: TapChannel, taps from earlier stages to the draft's stage.
 - :mod:`learner.parallel.pipeline_mesh`, :mod:`learner.parallel.pp_cp`: groups, and PP x CP.
-- :mod:`learner.parallel.draft_stage`: the TTT step on the last stage (learner.recompute runs it).
+- :mod:`learner.parallel.draft_stage`: the TTT step on the last stage (learner.pipeline_trainer
+  runs it).
 - :mod:`learner.parallel.host_staged`: transfers staged through host memory over gloo, when
   ranks share a GPU (single-GPU smoke runs; ``ParallelConfig.share_gpu``).
 

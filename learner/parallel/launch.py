@@ -14,7 +14,6 @@ is gloo, and point-to-point transfers of CUDA tensors are staged through host me
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -31,8 +30,11 @@ from learner.parallel.mesh import ParallelDims, ParallelMesh
 
 @dataclass
 class ParallelConfig:
+    """How a learner job splits over its ranks: the one home of the cp and pp degrees (the
+    mesh's `ParallelDims` is derived from them and the world size at start-up)."""
+
     cp: int = 1  # context-parallel ranks per batch
-    pp: int = 1  # pipeline stages (recompute mode, learner.recompute)
+    pp: int = 1  # pipeline stages (recompute mode, learner.pipeline_trainer)
     backend: str = "auto"  # "auto": nccl on CUDA, gloo on CPU
     device: str = "auto"  # "auto": cuda:LOCAL_RANK when CUDA is available, else cpu
     timeout_s: float = 600.0
@@ -41,18 +43,9 @@ class ParallelConfig:
     # On CPU, True stages CPU tensors through host copies too: that path's test without a GPU.
     share_gpu: bool | None = False
 
-
-def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--cp",
-        type=int,
-        default=ParallelConfig.cp,
-        help="context-parallel ranks per batch (start under torchrun with a multiple of it)",
-    )
-
-
-def config_from_args(args: argparse.Namespace) -> ParallelConfig:
-    return ParallelConfig(cp=getattr(args, "cp", 1))
+    def __post_init__(self) -> None:
+        if self.cp < 1 or self.pp < 1:
+            raise ValueError(f"cp and pp must be >= 1, got cp {self.cp}, pp {self.pp}")
 
 
 def _gpus() -> int:
