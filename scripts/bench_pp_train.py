@@ -1,11 +1,13 @@
 """Benchmark recompute-mode draft training under pipeline parallelism: TapChannel against no tap
 traffic and against host staging (issue 10).
 
-A step is what `learner.recompute` runs per batch with `--pp N` (cp 1, dp 1): the target runs
+A step is `PipelineLearner.step` of learner.pipeline_trainer, what `codraft learn --pp N` runs
+per batch (cp 1, dp 1): the last stage broadcasts the batch to the stages, the target runs
 forward (no grad) over M microbatches across the N stages (`Pipeline`), the last stage trains
 the EAGLE-3 draft on every microbatch as it arrives (`DraftStage`: teacher targets from the
-stage's own head, TTT forward + backward), then clips the gradients and steps AdamW
-(`PipelineLearner._train_step`). Three modes run that step on the same batch:
+stage's own head, TTT forward + backward), then clips the gradients and steps AdamW (the
+`Trainer`, with `TrainConfig`'s defaults). Three modes run that step on the same batch, each
+through a `PipelineLearner` of its own pipeline, all sharing one trainer:
 
 * off: no tap traffic. The pipeline runs without tap layers and the draft is fed taps that are
   already on the last stage (captured from a TapChannel step of the same batch and microbatch
@@ -22,8 +24,9 @@ The target is random and Llama-shaped, built stage by stage on the device (defau
 three alike; a step's time is the slowest rank's, from a barrier to its end (CUDA synchronized).
 Per microbatch count the script also checks non-interference bitwise (every stage's
 activations, the last stage's hidden states, teacher logits and distributions, the taps the
-draft saw and the draft's loss are identical in the three modes, from the same draft state) and
-times the tap transfer alone (one step's taps moved with nothing else running).
+draft saw and the draft's loss are identical in the three modes, from the same draft state: those
+steps, and the one that captures the off mode's taps, leave the draft and its optimizer as they
+were) and times the tap transfer alone (one step's taps moved with nothing else running).
 
     PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_pp_train.py --out runs/pp_train_pp2.json
     PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_pp_train.py --smoke   # CPU, gloo, tiny
@@ -46,8 +49,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -66,10 +71,9 @@ from bench_tapchannel import (  # noqa: E402
     random_stage,
 )
 
-from codraft.draft.init import new_draft  # noqa: E402
 from codraft.models.config import TargetConfig, default_tap_layers  # noqa: E402
 from learner.parallel import host_staged  # noqa: E402
-from learner.parallel.draft_stage import DraftStage, DraftStepResult  # noqa: E402
+from learner.parallel.draft_stage import DraftStage  # noqa: E402
 from learner.parallel.launch import ParallelConfig, init_distributed, shutdown  # noqa: E402
 from learner.parallel.microbatch import split_batch  # noqa: E402
 from learner.parallel.p2p_wait import wait_work  # noqa: E402
@@ -77,8 +81,9 @@ from learner.parallel.pipeline import Pipeline, PipelineConfig, StageOutput  # n
 from learner.parallel.pipeline_mesh import PipelineGroups  # noqa: E402
 from learner.parallel.stage import split_layers, taps_by_stage  # noqa: E402
 from learner.parallel.tapchannel import TapChannelConfig  # noqa: E402
+from learner.pipeline_trainer import PipelineLearner  # noqa: E402
 from learner.teacher import Teacher  # noqa: E402
-from learner.trainer import TrainConfig  # noqa: E402
+from learner.trainer import TrainConfig, Trainer  # noqa: E402
 
 MODES = ("off", "tapchannel", "host")
 GOAL_OVERHEAD = 0.02  # (tapchannel - off) / off of the median step
@@ -226,60 +231,53 @@ class Recorder:
 
 
 # ---------------------------------------------------------------------- the draft
-class DraftTrainer:
-    """The last stage's part of `PipelineLearner._train_step` (cp 1, dp 1): `DraftStage` as the
-    pipeline's consumer, then clip + AdamW, with `TrainConfig`'s defaults."""
+class HeldTrainer(Trainer):
+    """The product's `Trainer`; while `hold` is set a step computes its gradients but leaves the
+    draft, the optimizer and the step count as they were (the capture and check steps)."""
 
-    def __init__(
-        self, tcfg: TargetConfig, stage: Any, taps: Sequence[int], a: argparse.Namespace, device
-    ) -> None:
-        self.cfg = TrainConfig(draft_vocab_size=a.draft_vocab)
-        draft = new_draft(
-            tcfg, None, draft_vocab_size=min(a.draft_vocab, tcfg.vocab_size), tap_layers=taps,
-            dtype="float32", seed=0,
-        )  # fmt: skip
-        self.draft = draft.to(device).train()
-        g = torch.Generator(device=device).manual_seed(7)
-        embed = torch.empty(tcfg.vocab_size, tcfg.hidden_size, device=device)
-        self.draft.set_embedding(embed.normal_(0.0, 0.02, generator=g))  # the target's, frozen
-        self.teacher = Teacher(stage.norm, stage.lm_head)  # the stage's own head
-        self.opt = torch.optim.AdamW(
-            self.draft.parameters(), lr=self.cfg.lr, betas=self.cfg.betas,
-            weight_decay=self.cfg.weight_decay,
-        )  # fmt: skip
-        use_bf16 = self.cfg.autocast_bf16 and device.type == "cuda"
-        self.autocast = torch.bfloat16 if use_bf16 else None
+    hold = False
 
-    def step(
-        self,
-        pipe: Pipeline,
-        batch: Any,
-        feed: list[torch.Tensor] | None = None,
-        capture: list[torch.Tensor] | None = None,
-        keep: bool = False,
-        update: bool = True,
-    ) -> tuple[DraftStage, DraftStepResult]:
-        """One step. `feed`: taps per microbatch given to the draft (the off mode); `capture`:
-        receives the taps the pipeline brought; `update`: clip + optimizer step."""
-        self.opt.zero_grad(set_to_none=True)
-        ds = DraftStage(
-            self.draft, self.teacher, self.cfg.ttt(), autocast_dtype=self.autocast, keep=keep
-        )
-        ds.begin(batch)
+    def end_step(self, tokens: int) -> float:
+        return 0.0 if self.hold else super().end_step(tokens)
+
+
+class BenchLearner(PipelineLearner):
+    """The product's `PipelineLearner`, remembering its last step's `DraftStage` (`consumer`),
+    which keeps what it gave the draft while `keep` is set."""
+
+    keep = False
+    consumer: DraftStage | None = None
+
+    def draft_stage(self) -> DraftStage:
+        self.consumer = super().draft_stage()
+        self.consumer.keep = self.keep
+        return self.consumer
+
+
+class Tapped:
+    """A `Pipeline` whose last stage gives the draft the taps of `feed` (per microbatch: the off
+    mode's, already on the last stage) or copies the taps it brought into `capture`."""
+
+    def __init__(self, pipe: Pipeline) -> None:
+        self.pipe = pipe
+        self.feed: list[torch.Tensor] | None = None
+        self.capture: list[torch.Tensor] | None = None
+
+    def __getattr__(self, name: str) -> Any:  # stage, groups, tap_layers, channel, dtype
+        return getattr(self.pipe, name)
+
+    def run(self, batch: Any, consumer: Any = None, share: tuple[int, int] = (0, 1)) -> Any:
+        if consumer is None:
+            return self.pipe.run(batch, None, share)
 
         def consume(out: StageOutput) -> None:
-            if feed is not None:
-                out = replace(out, taps=feed[out.index])
-            elif capture is not None:
-                capture.append(out.taps.clone())
-            ds(out)
+            if self.feed is not None:
+                out = replace(out, taps=self.feed[out.index])
+            elif self.capture is not None:
+                self.capture.append(out.taps.clone())
+            consumer(out)
 
-        pipe.run(batch, consume)
-        res = ds.finish()
-        if update:
-            torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.cfg.max_grad_norm)
-            self.opt.step()
-        return ds, res
+        return self.pipe.run(batch, consume, share)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -360,53 +358,92 @@ class Bench:
         }
         connect_p2p(g, self.sources, self.device)
         self.recorder = Recorder()
-        self.trainer = (
-            DraftTrainer(self.tcfg, self.stage, self.taps, a, self.device) if g.is_last else None
-        )
+        self.scratch: Path | None = None  # the trainer's checkpoint folder (never written)
+        self.trainer = self.make_trainer() if g.is_last else None
         self.batch = make_batch(a)
         self.feed: list[torch.Tensor] = []  # the off mode's taps, for the current count
 
+    def make_trainer(self) -> HeldTrainer:
+        """The last stage's trainer (`TrainConfig` defaults but the draft vocab) for the random
+        target held in memory: the stage's own head as the teacher, a random frozen embedding."""
+        tcfg, dev = self.tcfg, self.device
+        self.scratch = Path(tempfile.mkdtemp(prefix="bench_pp_train-"))
+        g = torch.Generator(device=dev).manual_seed(7)
+        embed = torch.empty(tcfg.vocab_size, tcfg.hidden_size, device=dev)
+        train = TrainConfig(
+            draft_vocab_size=self.a.draft_vocab, tap_layers=tuple(self.taps), device=str(dev)
+        )
+        return HeldTrainer(
+            None, self.scratch, train, target_config=tcfg,
+            teacher=Teacher(self.stage.norm, self.stage.lm_head),
+            embedding=embed.normal_(0.0, 0.02, generator=g),
+        )  # fmt: skip
+
     # -------------------------------------------------------------- one step
-    def pipelines(self, count: int) -> dict[str, Pipeline]:
+    def learners(self, count: int) -> dict[str, BenchLearner]:
+        """Per mode, the product's learner over that mode's pipeline (one trainer for all)."""
         cfg = PipelineConfig(count)
         st, g, obs = self.stage, self.groups, self.recorder
-        return {
+        pipes = {
             "off": Pipeline(st, g, (), None, cfg, observe=obs),
             "tapchannel": Pipeline(st, g, self.taps, self.transports["tapchannel"], cfg, obs),
             "host": Pipeline(st, g, self.taps, self.transports["host"], cfg, observe=obs),
         }
+        return {
+            mode: BenchLearner(Tapped(pipe), self.trainer, self.mesh, self.device)
+            for mode, pipe in pipes.items()
+        }
 
     def step(
-        self, pipes: dict[str, Pipeline], mode: str, **kw: Any
-    ) -> tuple[DraftStage, DraftStepResult] | None:
-        """One step of `mode` on this rank (the draft's part on the last stage)."""
-        if self.trainer is None:
-            pipes[mode].run(self.batch)
-            return None
-        feed = self.feed if mode == "off" else None
-        return self.trainer.step(pipes[mode], self.batch, feed=feed, **kw)
+        self,
+        learners: dict[str, BenchLearner],
+        mode: str,
+        *,
+        capture: list[torch.Tensor] | None = None,
+        hold: bool = False,
+        keep: bool = False,
+    ) -> BenchLearner | None:
+        """One `PipelineLearner.step` of `mode` on this rank (the batch comes from the last
+        stage). `capture`: receives the taps the pipeline brought; `hold`: no optimizer step;
+        `keep`: the draft's inputs kept. Returns the learner on the last stage."""
+        learner = learners[mode]
+        tapped = learner.pipeline
+        tapped.feed = self.feed if mode == "off" else None
+        tapped.capture, learner.keep = capture, keep
+        if self.trainer is not None:
+            self.trainer.hold = hold
+        try:
+            learner.step(self.batch if self.groups.is_last else None)
+        finally:
+            tapped.feed = tapped.capture = None
+            learner.keep = False
+            if self.trainer is not None:
+                self.trainer.hold = False
+        return learner if self.trainer is not None else None
 
     # -------------------------------------------------------------- non-interference
-    def check(self, pipes: dict[str, Pipeline]) -> dict[str, dict[str, bool]]:
+    def check(self, learners: dict[str, BenchLearner]) -> dict[str, dict[str, bool]]:
         """The off and host steps against the TapChannel step, bitwise, all from the same draft
         state. stage_activations: on every stage; the rest: the last stage's."""
-        ref = self.observe(pipes, "tapchannel")
+        ref = self.observe(learners, "tapchannel")
         out = {}
         for mode in ("off", "host"):
-            got = self.observe(pipes, mode)
+            got = self.observe(learners, mode)
             flags = {"stage_activations": all_ranks(equal(got["acts"], ref["acts"]), self.device)}
             flags.update({k: equal(v, ref[k]) for k, v in got.items() if k != "acts"})
             out[mode] = flags
         return out
 
-    def observe(self, pipes: dict[str, Pipeline], mode: str) -> dict[str, list[torch.Tensor]]:
+    def observe(
+        self, learners: dict[str, BenchLearner], mode: str
+    ) -> dict[str, list[torch.Tensor]]:
         """One step of `mode` without the optimizer step, and what it produced on this rank."""
         self.recorder.on, self.recorder.acts = True, []
-        done = self.step(pipes, mode, keep=True, update=False)
+        learner = self.step(learners, mode, hold=True, keep=True)
         got = {"acts": self.recorder.acts}
         self.recorder.on, self.recorder.acts = False, []
-        if done is not None:
-            kept, res = done[0].kept, done[1]
+        if learner is not None:
+            kept, res = learner.consumer.kept, learner.consumer.result
             grads = [p.grad.clone() for p in self.trainer.draft.parameters() if p.grad is not None]
             got.update(
                 last_hidden=kept.last_hidden, logits=kept.logits,
@@ -439,21 +476,21 @@ class Bench:
     # -------------------------------------------------------------- one count
     def run_count(self, count: int) -> dict[str, Any]:
         a, dev = self.a, self.device
-        pipes = self.pipelines(count)
+        learners = self.learners(count)
         parts = split_batch(self.batch, count)
         self.feed = []  # the off mode's taps: what TapChannel brings for this count
-        self.step(pipes, "tapchannel", capture=self.feed, update=False)
+        self.step(learners, "tapchannel", capture=self.feed, hold=True)
         times: dict[str, list[float]] = {m: [] for m in MODES}
         waits: dict[str, list[dict[str, float]]] = {"tapchannel": [], "host": []}
         check: dict[str, Any] = {}
         for i in range(a.warmup + a.steps):
             if i == a.warmup:  # warm: compiled kernels and allocator settled
-                check = self.check(pipes)
+                check = self.check(learners)
                 for t in self.transports.values():
                     t.take()
             k = i % len(MODES)
             for mode in MODES[k:] + MODES[:k]:
-                dt = timed(lambda mode=mode: self.step(pipes, mode), dev)
+                dt = timed(lambda mode=mode: self.step(learners, mode), dev)
                 if i >= a.warmup:
                     times[mode].append(dt)
                     if mode in waits:
@@ -558,8 +595,9 @@ class Bench:
                 "speedup_transfer_min": GOAL_SPEEDUP,
             },
             "definitions": {
-                "step_s": "per mode: one training step (target forward over the pipeline, "
-                "draft TTT forward+backward per microbatch, clip, AdamW), slowest rank",
+                "step_s": "per mode: one PipelineLearner.step (the batch broadcast to the "
+                "stages, target forward over the pipeline, draft TTT forward+backward per "
+                "microbatch, clip, AdamW), slowest rank",
                 "tapchannel_overhead": "(tapchannel - off) / off, median steps",
                 "tap_cost_s": "median step minus the off mode's: what moving the taps adds",
                 "speedup_step": "host / tapchannel, median whole step",
@@ -577,6 +615,8 @@ class Bench:
     def close(self) -> None:
         for t in self.transports.values():
             t.close()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def passed(records: list[dict[str, Any]]) -> bool:

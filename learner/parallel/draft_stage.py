@@ -61,8 +61,9 @@ class KeptOutputs:
 
 class DraftStage:
     """Consumer for `Pipeline.run` on the last stage: `begin(batch)`, run the pipeline with this
-    object as consumer, then `finish()` -> DraftStepResult. Gradients accumulate in the draft's
-    `.grad`; zeroing them and the optimizer step are the caller's."""
+    object as consumer, then `finish()` -> DraftStepResult (also kept as `result`). Gradients
+    accumulate in the draft's `.grad`; zeroing them and the optimizer step are the caller's.
+    With `keep`, what each microbatch gave the draft is kept in `kept` (for checks)."""
 
     def __init__(
         self,
@@ -83,7 +84,7 @@ class DraftStage:
         self.keep = keep
         self.kept = KeptOutputs()
         self._global: torch.Tensor | None = None
-        self._result = DraftStepResult()
+        self.result = DraftStepResult()
         self._loss = torch.zeros((), dtype=torch.float64)
 
     @property
@@ -95,7 +96,7 @@ class DraftStage:
         K = self.ttt.num_passes
         local = valid_counts(batch.to(self.device), K)
         self._global = self.reduce_counts(local.clone()) if self.reduce_counts else local
-        self._result = DraftStepResult(
+        self.result = DraftStepResult(
             pass_loss=[0.0] * K, pass_valid=[0.0] * K, pass_correct=[0.0] * K,
             pass_global_valid=[float(x) for x in self._global],
         )  # fmt: skip
@@ -138,7 +139,7 @@ class DraftStage:
                 lambda _local: global_counts,
             )
         res.loss.backward()
-        r = self._result
+        r = self.result
         self._loss += res.loss.detach().to(torch.float64)
         for d in range(self.ttt.num_passes):
             r.pass_loss[d] += float(res.pass_loss[d])
@@ -147,6 +148,6 @@ class DraftStage:
         r.microbatches += 1
 
     def finish(self) -> DraftStepResult:
-        self._result.loss = float(self._loss)
+        self.result.loss = float(self._loss)
         self._global = None
-        return self._result
+        return self.result
