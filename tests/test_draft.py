@@ -148,6 +148,7 @@ def test_config_hf_round_trip_and_engines() -> None:
         "eagle_aux_hidden_state_layer_ids": [1, 3, 5],
         "use_aux_hidden_state": True,
     }
+    assert hf["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # where vLLM's V2 runner reads
     assert DraftConfig.from_hf_dict(json.loads(json.dumps(hf))) == cfg
     sg = cfg.to_hf_dict(engine="sglang")
     assert sg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]
@@ -166,8 +167,12 @@ def test_config_refuses_bad_values() -> None:
     with pytest.raises(ValueError, match="cannot exceed the target vocab_size"):
         tiny_cfg(draft_vocab_size=101)
     hf = tiny_cfg().to_hf_dict()
-    del hf["eagle_config"]
+    del hf["eagle_config"], hf["eagle_aux_hidden_state_layer_ids"]
     with pytest.raises(ValueError, match="never defaulted"):
+        DraftConfig.from_hf_dict(hf)
+    hf = tiny_cfg().to_hf_dict()
+    hf["eagle_aux_hidden_state_layer_ids"] = [1, 2, 5]
+    with pytest.raises(ValueError, match="make them equal"):
         DraftConfig.from_hf_dict(hf)
     with pytest.raises(ValueError, match="norm_before_residual"):
         DraftConfig.from_hf_dict(dict(tiny_cfg().to_hf_dict(), norm_before_residual=True))
@@ -494,6 +499,7 @@ CORRUPTIONS = {
         lambda r: _edit_json(
             r / "config.json",
             eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 3, 5]},
+            eagle_aux_hidden_state_layer_ids=[2, 3, 5],
         ),
         r"tap layers disagree: config.json has \[2, 3, 5\], codraft.json has \[1, 3, 5\]",
     ),

@@ -4,8 +4,9 @@ Tap layer ids, and how each engine reads them (checked against vLLM 0.32's sourc
 
 * codraft: tap k is the residual stream after k decoder layers, before the final norm (tap 0 =
   the embeddings, tap L = the last layer's output).
-* vLLM: `eagle_config.eagle_aux_hidden_state_layer_ids` (or the same key at the top level of the
-  draft config, which the GPU model runner reads first) goes through
+* vLLM: `eagle_aux_hidden_state_layer_ids` at the top level of the draft config (the V1 model
+  runner reads it there first, then in `eagle_config`; the V2 runner, vLLM's default on CUDA,
+  reads it only there: without it the target falls back to its own default layers) goes through
   `set_aux_hidden_state_layers` into the target's `aux_hidden_state_layers`; in
   `LlamaModel.forward` the target calls `_maybe_add_hidden_state(aux, idx + 1, hidden, residual)`
   after decoder layer `idx` (and with `start_layer` before the first one), which appends
@@ -244,6 +245,7 @@ class DraftConfig:
             "initializer_range": 0.02,
             "pretraining_tp": 1,
             "use_cache": True,
+            "eagle_aux_hidden_state_layer_ids": [t - shift for t in self.tap_layers],
             "eagle_config": {
                 "eagle_aux_hidden_state_layer_ids": [t - shift for t in self.tap_layers],
                 "use_aux_hidden_state": True,
@@ -275,9 +277,16 @@ class DraftConfig:
         eagle = hf.get("eagle_config") or {}
         if not eagle.get("use_aux_hidden_state", True):
             raise ValueError("eagle_config.use_aux_hidden_state is false; EAGLE-3 needs taps")
-        ids = eagle.get("eagle_aux_hidden_state_layer_ids") or hf.get(
+        nested, top = eagle.get("eagle_aux_hidden_state_layer_ids"), hf.get(
             "eagle_aux_hidden_state_layer_ids"
         )
+        if nested and top and list(nested) != list(top):
+            raise ValueError(
+                f"eagle_aux_hidden_state_layer_ids is {list(top)} at the top level but "
+                f"{list(nested)} in eagle_config; vLLM's runners read different ones: make "
+                "them equal"
+            )
+        ids = top or nested
         if not ids:
             raise ValueError(
                 "config has no eagle_config.eagle_aux_hidden_state_layer_ids; tap layers are "
