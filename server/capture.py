@@ -9,22 +9,34 @@ INPUT, so a sampled token's features arrive one step later, and the very last to
 never has any: a "full" message covers the final sequence minus its last token (T = prompt +
 output - 1 rows, every row with features); an "ids" message covers the whole final sequence.
 
-Requests are assembled by request id (rows keyed by position, so a preempted and recomputed
-request overwrites its rows), sent when they finish, and in chunks of `max_tokens` rows while
-running when they are long (chunk ids "<request id>#<i>", i = 0, 1, ...; each chunk's prompt_len
-counts the prompt tokens inside it). A request is finished when vLLM's stop rule (EOS, stop token
-ids, max_tokens, max_model_len; the order of the scheduler's check_stop) says so - then it is
-sent in the same step - or when the scheduler lists it in `finished_req_ids` (aborts, stop
-strings). Loss mask: 0 on prompt tokens, 1 on generated ones. In "full" mode a request whose
-first rows were never computed here (a prefix-cache hit, or hooks installed mid-request) or whose
+Two halves, so that the engine step never waits for the device nor builds a message:
+
+* **Bookkeeping** (`Capture.on_step`, in the thread that hands over a step's sampled tokens, in
+  step order): which requests exist (from the scheduler's new requests: prompt, sampling
+  parameters, whether and how the request is captured), their outputs, vLLM's stop rule (EOS,
+  stop token ids, min/max tokens, max_model_len; the scheduler's check_stop), which rows of the
+  step are final, the draft version each finished request ends with. A request is finished when
+  the stop rule says so - in the step that ends it - or when the scheduler lists it in
+  `finished_req_ids` (aborts, stop strings).
+* **Assembly** (`Assembler`, a thread of its own): waits until a step's rows are on the host
+  (server.row_copy), keeps each request's final rows keyed by position (a preempted and
+  recomputed request overwrites its rows), cuts long requests into chunks of `max_tokens` rows
+  while they run (ids "<request id>#<i>", i = 0, 1, ...; each chunk's prompt_len counts the
+  prompt tokens inside it), checks every message's token ids against the request's sequence and
+  hands the message to the publisher. Loss mask: 0 on prompt tokens, 1 on generated ones.
+
+In "full" mode a request whose first rows were never computed here (a prefix-cache hit) or whose
 policy changed mid-request is not sent and is counted as incomplete: run the engine without
-prefix caching when the tap is on in "full" mode. Every message's token ids are checked against
-the request's sequence before it is sent.
+prefix caching when the tap is on in "full" mode. With async scheduling a request may still be
+scheduled for a step after the one that ended it; such rows are ignored.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,8 +45,11 @@ import torch
 
 from codraft.tap.message import TapMessage
 from server.hooks import StepRecord
+from server.row_copy import StagedRows
 
 log = logging.getLogger(__name__)
+# Records that may arrive ahead of a step whose tokens never came, before that step is given up.
+MAX_OUT_OF_ORDER = 256
 
 
 # ---------------------------------------------------------------------------- stop rule
@@ -42,12 +57,15 @@ def stop_after(
     new_tokens: list[int], n_out: int, prompt_len: int, sp: Any, max_model_len: int
 ) -> int | None:
     """How many of `new_tokens` the scheduler keeps when one of them ends the request (else
-    None): vLLM's check_stop per token, in its order (EOS, stop token ids, length)."""
+    None): vLLM's check_stop per token, in its order (min_tokens, EOS, stop token ids, length)."""
     eos = getattr(sp, "eos_token_id", None)
     stops = set(getattr(sp, "stop_token_ids", None) or ())
     max_tokens = getattr(sp, "max_tokens", None)
+    min_tokens = getattr(sp, "min_tokens", 0) or 0
     for i, tok in enumerate(new_tokens):
         n = n_out + i + 1
+        if n < min_tokens:
+            continue
         if (eos is not None and tok == eos) or tok in stops:
             return i + 1
         if prompt_len + n >= max_model_len or (max_tokens is not None and n >= max_tokens):
@@ -57,11 +75,70 @@ def stop_after(
 
 # ---------------------------------------------------------------------------- requests
 @dataclass
+class NewRequest:
+    """What the scheduler says about a request when it first schedules it."""
+
+    req_id: str
+    prompt_ids: list[int]
+    sampling_params: Any
+    mode: str | None  # "full" | "ids" | None (not captured)
+
+
+@dataclass
+class StepContext:
+    """What the listener attaches to a step before it runs (engine thread)."""
+
+    new: list[NewRequest]
+    finished: frozenset[str]
+    policy_version: int
+    proposer_version: int  # the draft version that proposed this step's drafts
+
+
+@dataclass
+class ReqState:
+    req_id: str
+    prompt_ids: list[int]
+    sampling_params: Any
+    policy_version: int
+    mode: str | None
+    outputs: list[int] = field(default_factory=list)
+    done: bool = False
+
+    def tokens(self, pos: int, n: int) -> list[int]:
+        """Tokens pos .. pos+n-1 of the sequence (prompt + outputs so far)."""
+        p = len(self.prompt_ids)
+        head = self.prompt_ids[pos : min(pos + n, p)]
+        start = max(pos - p, 0)
+        return head + self.outputs[start : start + n - len(head)]
+
+
+@dataclass
+class CaptureStats:
+    requests_captured: int = 0  # requests whose messages were handed to the publisher
+    requests_incomplete: int = 0  # captured requests that could not be sent (see `broken`)
+    requests_inconsistent: int = 0  # rows whose token ids disagreed with the sequence (a bug)
+    messages_built: int = 0
+    steps_lost: int = 0  # steps whose tokens never arrived (given up after MAX_OUT_OF_ORDER)
+
+
+@dataclass
+class TapTarget:
+    """What every message describes."""
+
+    tap_layers: tuple[int, ...]
+    hidden_size: int
+    fingerprint: str
+    dtype: torch.dtype  # on the wire
+    max_model_len: int
+
+
+# ---------------------------------------------------------------------------- assembly
+@dataclass
 class TapBuffer:
     """Captured rows of one request: positions base .. base+length-1 (rows before `base` went
-    out in earlier chunks)."""
+    out in earlier chunks). Lives in the assembler thread."""
 
-    mode: str  # "full" | "ids"
+    state: ReqState
     base: int = 0
     length: int = 0
     ids: list[torch.Tensor] = field(default_factory=list)
@@ -110,188 +187,167 @@ class TapBuffer:
 
 
 @dataclass
-class ReqState:
-    req_id: str
-    prompt_ids: list[int]
-    sampling_params: Any
-    policy_version: int
-    outputs: list[int] = field(default_factory=list)
-    tap: TapBuffer | None = None
-    done: bool = False
+class _Rows:
+    rows: StagedRows
+    items: list[tuple[ReqState, int, int]]  # (request, first row in rows, final rows)
 
 
 @dataclass
-class CaptureStats:
-    requests_captured: int = 0  # requests whose messages were handed to the publisher
-    requests_incomplete: int = 0  # captured requests that could not be sent (see `broken`)
-    requests_inconsistent: int = 0  # rows whose token ids disagreed with the sequence (a bug)
-    messages_built: int = 0
+class _Broken:
+    state: ReqState
+    why: str
 
 
 @dataclass
-class TapTarget:
-    """What every message describes."""
-
-    tap_layers: tuple[int, ...]
-    hidden_size: int
-    fingerprint: str
-    dtype: torch.dtype  # on the wire
-    max_model_len: int
+class _Finish:
+    state: ReqState
+    policy_version: int  # the serving policy when the request finished (ids messages)
 
 
-class Capture:
-    """Per-request assembly of final rows into tap messages (see module doc).
+_DROP_ALL = object()
+_STOP = object()
 
-    `want(req_id)` -> "full" | "ids" | None decides at a request's first sight whether and how it
-    is captured; `emit(msg)` hands a finished message on; `versions()` gives the current
-    (policy, draft) versions; `on_finished(req_id)` is told when a request finishes."""
+
+class Assembler:
+    """The assembly thread (see module doc): consumes the bookkeeping's operations in order."""
 
     def __init__(
         self,
         target: TapTarget,
-        *,
-        want: Callable[[str], str | None],
         emit: Callable[[TapMessage], None],
-        versions: Callable[[], tuple[int, int]],
-        on_finished: Callable[[str], None],
-        max_tokens: int = 8192,
-        requests: Callable[[], dict[str, Any]] = dict,
+        draft_version: Callable[[], int],
+        max_tokens: int,
+        stats: CaptureStats,
     ) -> None:
         self.target = target
-        self.want = want
         self.emit = emit
-        self.versions = versions
-        self.on_finished = on_finished
+        self.draft_version = draft_version
         self.max_tokens = max_tokens
-        self.runner_requests = requests
-        self.states: dict[str, ReqState] = {}
-        self.stats = CaptureStats()
+        self.stats = stats
+        self.buffers: dict[int, TapBuffer] = {}  # id(ReqState) -> its rows
+        self._queue: queue.Queue = queue.Queue()
+        self._idle = threading.Condition()
+        self._busy = 0
+        self._thread = threading.Thread(target=self._run, name="codraft-capture", daemon=True)
+        self._thread.start()
 
-    # ------------------------------------------------------------------ engine events
-    def on_step(self, record: StepRecord, sampled: list[list[int]]) -> None:
-        full_rows: list[tuple[ReqState, int, int, int]] = []  # state, flat start, count, pos
-        for s, toks in zip(record.slices, sampled, strict=True):
-            state = self.states.get(s.req_id) or self._new_state(s.req_id, len(toks))
-            if state is None or state.done:
-                continue
-            n_final = s.final_rows(toks)
-            if state.tap is not None and state.tap.mode == "full" and n_final > 0:
-                if record.input_ids is None:
-                    state.tap.broken = "the step ran on input embeddings, not token ids"
-                elif state.policy_version != self.versions()[0]:
-                    state.tap.broken = "the policy changed while the request ran"
-                else:
-                    full_rows.append((state, s.start, n_final, s.position))
-        if full_rows:
-            self._put_rows(record, full_rows)
-        for s, toks in zip(record.slices, sampled, strict=True):
-            state = self.states.get(s.req_id)
-            if state is None or state.done or not toks:
-                continue
-            keep = stop_after(
-                toks,
-                len(state.outputs),
-                len(state.prompt_ids),
-                state.sampling_params,
-                self.target.max_model_len,
-            )
-            state.outputs.extend(toks if keep is None else toks[:keep])
-            if keep is not None:
-                self._finish(state)
+    # ------------------------------------------------------------------ bookkeeping side
+    def put(self, op: Any) -> None:
+        with self._idle:
+            self._busy += 1
+        self._queue.put(op)
+
+    def depth(self) -> int:
+        return self._busy
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every operation queued so far is done; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.flush(timeout)
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ thread
+    def _run(self) -> None:
+        while True:
+            op = self._queue.get()
+            if op is _STOP:
+                return
+            try:
+                self._apply(op)
+            except Exception:
+                log.exception("codraft capture: assembling a tap message failed (dropped)")
+            finally:
+                with self._idle:
+                    self._busy -= 1
+                    if not self._busy:
+                        self._idle.notify_all()
+
+    def _buffer(self, state: ReqState) -> TapBuffer:
+        buf = self.buffers.get(id(state))
+        if buf is None:
+            buf = self.buffers[id(state)] = TapBuffer(state)
+        return buf
+
+    def _apply(self, op: Any) -> None:
+        if isinstance(op, _Rows):
+            self._rows(op)
+        elif isinstance(op, _Broken):
+            self._buffer(op.state).broken = op.why
+        elif isinstance(op, _Finish):
+            self._finish(op)
+        elif op is _DROP_ALL:
+            self.buffers.clear()
+
+    def _rows(self, op: _Rows) -> None:
+        op.rows.wait()
+        index = torch.cat([torch.arange(off, off + n) for _, off, n in op.items])
+        ids = op.rows.ids.index_select(0, index)  # one copy out of the pinned buffers
+        pos = op.rows.positions.index_select(0, index).tolist()
+        feats = op.rows.feats.index_select(0, index)
+        T = len(self.target.tap_layers)
+        taps, last = feats[:, :T].flatten(1), feats[:, T]
+        at = 0
+        for state, _, n in op.items:
+            first = pos[at]
+            if pos[at + n - 1] != first + n - 1:
+                log.error("codraft capture: %s's rows are not consecutive positions", state.req_id)
+                self._buffer(state).broken = "non-consecutive positions in one step"
             else:
-                self._send_full_chunks(state)
+                buf = self._buffer(state)
+                buf.put(first, ids[at : at + n], taps[at : at + n], last[at : at + n])
+                if not state.done:
+                    self._send_chunks(buf)
+            at += n
 
-    def finished(self, req_ids: set[str] | list[str]) -> None:
-        """The scheduler reports these requests finished (aborted ones included)."""
-        for rid in req_ids:
-            state = self.states.pop(rid, None)
-            if state is not None and not state.done:
-                self._finish(state)
-
-    def drop_all(self) -> None:
-        """Forget every in-progress capture (the tap was turned off or reconfigured)."""
-        for state in self.states.values():
-            state.tap = None
-
-    # ------------------------------------------------------------------ internals
-    def _new_state(self, req_id: str, sampled_now: int) -> ReqState | None:
-        req = self.runner_requests().get(req_id)
-        if req is None or req.prompt_token_ids is None or req.sampling_params is None:
-            return None  # prompt embeddings or pooling: nothing codraft can capture
-        state = ReqState(
-            req_id, list(req.prompt_token_ids), req.sampling_params, self.versions()[0]
-        )
-        # The runner has already appended this step's tokens; on_step adds them again. Earlier
-        # outputs exist only when the request was first seen mid-way.
-        prior = list(req.output_token_ids)
-        state.outputs = prior[: max(len(prior) - sampled_now, 0)]
-        mode = self.want(req_id)
-        if mode is not None:
-            state.tap = TapBuffer(mode)
-        self.states[req_id] = state
-        return state
-
-    def _put_rows(self, record: StepRecord, rows: list[tuple[ReqState, int, int, int]]) -> None:
-        device = record.last_hidden.device
-        index = torch.cat(
-            [torch.arange(start, start + n, device=device) for _, start, n, _ in rows]
-        )
-        dtype = self.target.dtype
-        ids = record.input_ids[index].to("cpu", torch.int32)
-        taps = torch.cat([t[index] for t in record.taps], dim=-1).to("cpu", dtype)
-        last = record.last_hidden[index].to("cpu", dtype)
-        counts = [n for _, _, n, _ in rows]
-        for (state, _, _, pos), i, t, h in zip(
-            rows, ids.split(counts), taps.split(counts), last.split(counts), strict=True
-        ):
-            state.tap.put(pos, i, t, h)
-
-    def _send_full_chunks(self, state: ReqState) -> None:
-        tap = state.tap
-        if tap is None or tap.mode != "full" or tap.broken:
+    def _send_chunks(self, buf: TapBuffer) -> None:
+        if buf.broken:
             return
-        while tap.length >= self.max_tokens:
-            pos, ids, taps, last = tap.take(self.max_tokens)
-            self._emit(state, pos, ids, taps, last, chunk=tap.chunks_sent)
-            tap.chunks_sent += 1
+        while buf.length >= self.max_tokens:
+            pos, ids, taps, last = buf.take(self.max_tokens)
+            self._emit(buf.state, pos, ids, taps, last, buf.chunks_sent)
+            buf.chunks_sent += 1
 
-    def _finish(self, state: ReqState) -> None:
-        state.done = True
-        try:
-            tap = state.tap
-            if tap is None:
-                return
-            if tap.broken:
-                self.stats.requests_incomplete += 1
-                log.debug("tap capture of %s not sent: %s", state.req_id, tap.broken)
-                return
-            if tap.mode == "ids":
-                self._send_ids(state)
-            else:
-                self._send_full_rest(state)
+    def _finish(self, op: _Finish) -> None:
+        state = op.state
+        buf = self.buffers.pop(id(state), None)
+        if state.mode == "ids":
+            self._send_ids(state, op.policy_version)
             self.stats.requests_captured += 1
-        finally:
-            state.tap = None
-            self.on_finished(state.req_id)
-
-    def _send_full_rest(self, state: ReqState) -> None:
-        tap = state.tap
+            return
+        if buf is None or buf.broken:
+            self.stats.requests_incomplete += 1
+            why = buf.broken if buf is not None else "none of its rows were captured"
+            log.debug("tap capture of %s not sent: %s", state.req_id, why)
+            return
         final_len = len(state.prompt_ids) + len(state.outputs)
-        tap.truncate(max(final_len - 1 - tap.base, 0))
+        buf.truncate(max(final_len - 1 - buf.base, 0))
         pieces = []
-        while tap.length > 0:
-            pieces.append(tap.take(min(self.max_tokens, tap.length)))
-        chunked = tap.chunks_sent > 0 or len(pieces) > 1
+        while buf.length > 0:
+            pieces.append(buf.take(min(self.max_tokens, buf.length)))
+        chunked = buf.chunks_sent > 0 or len(pieces) > 1
         for pos, ids, taps, last in pieces:
-            self._emit(state, pos, ids, taps, last, chunk=tap.chunks_sent if chunked else None)
-            tap.chunks_sent += 1
+            chunk = buf.chunks_sent if chunked else None
+            self._emit(state, pos, ids, taps, last, chunk)
+            buf.chunks_sent += 1
+        self.stats.requests_captured += 1
 
-    def _send_ids(self, state: ReqState) -> None:
+    def _send_ids(self, state: ReqState, policy_version: int) -> None:
         seq = state.prompt_ids + state.outputs
         pieces = range(0, len(seq), self.max_tokens)
         for i, pos in enumerate(pieces):
             ids = torch.tensor(seq[pos : pos + self.max_tokens], dtype=torch.int32)
-            self._emit(state, pos, ids, None, None, chunk=i if len(pieces) > 1 else None)
+            chunk = i if len(pieces) > 1 else None
+            self._emit(state, pos, ids, None, None, chunk, policy_version)
 
     def _emit(
         self,
@@ -301,36 +357,188 @@ class Capture:
         taps: torch.Tensor | None,
         last: torch.Tensor | None,
         chunk: int | None,
+        policy_version: int | None = None,
     ) -> None:
-        seq = state.prompt_ids + state.outputs
-        want = torch.tensor(seq[pos : pos + ids.shape[0]], dtype=torch.int32)
+        n = ids.shape[0]
+        want = torch.tensor(state.tokens(pos, n), dtype=torch.int32)
         if not torch.equal(ids, want):
             self.stats.requests_inconsistent += 1
             log.error(
                 "tap capture of %s: token ids of rows %d..%d disagree with the sequence; not sent",
                 state.req_id,
                 pos,
-                pos + ids.shape[0] - 1,
+                pos + n - 1,
             )
             return
-        prompt_len = min(max(len(state.prompt_ids) - pos, 0), ids.shape[0])
-        policy, draft = self.versions()
+        prompt_len = min(max(len(state.prompt_ids) - pos, 0), n)
         t = self.target
         msg = TapMessage.build(
             ids,
-            taps=taps,
-            last_hidden=last,
+            taps=taps.contiguous() if taps is not None else None,
+            last_hidden=last.contiguous() if last is not None else None,
             tap_layers=t.tap_layers,
             prompt_len=prompt_len,
             hidden_size=t.hidden_size,
             dtype=_dtype_name(t.dtype),
             request_id=state.req_id if chunk is None else f"{state.req_id}#{chunk}",
             fingerprint=t.fingerprint,
-            policy_version=state.policy_version if taps is not None else policy,
-            draft_version=draft,
+            policy_version=state.policy_version if policy_version is None else policy_version,
+            draft_version=self.draft_version(),
         )
         self.stats.messages_built += 1
         self.emit(msg)
+
+
+# ---------------------------------------------------------------------------- bookkeeping
+class Capture:
+    """Per-request bookkeeping, in step order, feeding the assembler (see module doc).
+
+    Engine thread: `new_requests(scheduler_output)` (whether and how each new request is
+    captured: `want(req_id)` -> "full" | "ids" | None), `finished_now(req_ids)`,
+    `rows_wanted(slices)`, `drop_all()`. Delivering side: `on_step(record, sampled)`, which
+    also calls `per_step(record, sampled)` in step order (acceptance accounting).
+    `draft_version()` gives the serving draft version; `on_finished(req_id)` is told when a
+    request finishes."""
+
+    def __init__(
+        self,
+        target: TapTarget,
+        *,
+        want: Callable[[str], str | None],
+        emit: Callable[[TapMessage], None],
+        draft_version: Callable[[], int],
+        on_finished: Callable[[str], None],
+        per_step: Callable[[StepRecord, list[list[int]] | None], None] = lambda r, s: None,
+        max_tokens: int = 8192,
+    ) -> None:
+        self.target = target
+        self.want = want
+        self.draft_version = draft_version
+        self.on_finished = on_finished
+        self.per_step = per_step
+        self.stats = CaptureStats()
+        self.assembler = Assembler(target, emit, draft_version, max_tokens, self.stats)
+        self.states: dict[str, ReqState] = {}  # delivering side
+        self._full: set[str] = set()  # engine thread: requests whose rows are gathered
+        self._drop = False
+        self._policy = 0  # the policy version of the latest step
+        self._lock = threading.Lock()
+        self._next = 0
+        self._waiting: dict[int, tuple[StepRecord, list[list[int]] | None]] = {}
+
+    # ------------------------------------------------------------------ engine thread
+    def new_requests(self, scheduler_output: Any) -> list[NewRequest]:
+        out = []
+        for req in scheduler_output.scheduled_new_reqs or ():
+            prompt = getattr(req, "prompt_token_ids", None)
+            sp = getattr(req, "sampling_params", None)
+            if prompt is None or sp is None:
+                continue  # prompt embeddings or pooling: nothing codraft can capture
+            mode = self.want(req.req_id)
+            if mode == "full":
+                self._full.add(req.req_id)
+            out.append(NewRequest(req.req_id, list(prompt), sp, mode))
+        return out
+
+    def finished_now(self, req_ids: Any) -> None:
+        self._full.difference_update(req_ids)
+
+    def rows_wanted(self, slices: list) -> list[int]:
+        full = self._full
+        return [i for i, s in enumerate(slices) if s.req_id in full] if full else []
+
+    def drop_all(self) -> None:
+        """Forget every in-progress capture (the tap was turned off or reconfigured)."""
+        self._full.clear()
+        self._drop = True
+
+    def running(self) -> list[str]:
+        """Ids of the requests seen and not finished."""
+        return [rid for rid, st in list(self.states.items()) if not st.done]
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        return self.assembler.flush(timeout)
+
+    def close(self) -> None:
+        self.assembler.close()
+
+    # ------------------------------------------------------------------ delivering side
+    def on_step(self, record: StepRecord, sampled: list[list[int]] | None) -> None:
+        """A step's tokens (None: it produced none); records may come out of order."""
+        with self._lock:
+            self._waiting[record.seq] = (record, sampled)
+            if record.seq < self._next:
+                self._next = record.seq  # a new hooks instance restarted the numbering
+            while True:
+                item = self._waiting.pop(self._next, None)
+                if item is None:
+                    if len(self._waiting) <= MAX_OUT_OF_ORDER:
+                        return
+                    log.warning("codraft capture: step %d never delivered; skipping", self._next)
+                    self.stats.steps_lost += 1
+                    self._next += 1
+                    continue
+                self._next += 1
+                self.per_step(*item)
+                self._step(*item)
+
+    def _step(self, record: StepRecord, sampled: list[list[int]] | None) -> None:
+        ctx: StepContext | None = record.context
+        if self._drop:
+            self._drop = False
+            for st in self.states.values():
+                st.mode = None
+            self.assembler.put(_DROP_ALL)
+        if ctx is not None:
+            self._policy = ctx.policy_version
+            for rid in ctx.finished:
+                st = self.states.pop(rid, None)
+                if st is not None and not st.done:
+                    self._finish(st)
+            for new in ctx.new:
+                if new.req_id not in self.states:  # a resumed request keeps its state
+                    self.states[new.req_id] = ReqState(
+                        new.req_id, new.prompt_ids, new.sampling_params, ctx.policy_version,
+                        new.mode,
+                    )  # fmt: skip
+        if sampled is None:
+            return
+        rows: list[tuple[ReqState, int, int]] = []
+        ended: list[ReqState] = []
+        for i, (s, toks) in enumerate(zip(record.slices, sampled, strict=True)):
+            st = self.states.get(s.req_id)
+            if st is None or st.done:
+                continue
+            n_final = s.final_rows(toks)
+            if st.mode == "full" and n_final > 0:
+                offset = record.row_offsets.get(i)
+                if offset is None or record.rows is None:
+                    self.assembler.put(_Broken(st, "its rows were not captured in a step"))
+                elif ctx is not None and ctx.policy_version != st.policy_version:
+                    self.assembler.put(_Broken(st, "the policy changed while the request ran"))
+                else:
+                    rows.append((st, offset, n_final))
+            if toks:
+                keep = stop_after(
+                    toks, len(st.outputs), len(st.prompt_ids), st.sampling_params,
+                    self.target.max_model_len,
+                )  # fmt: skip
+                st.outputs.extend(toks if keep is None else toks[:keep])
+                if keep is not None:
+                    st.done = True
+                    ended.append(st)
+        if rows:
+            self.assembler.put(_Rows(record.rows, rows))
+        for st in ended:
+            self._finish(st)
+
+    def _finish(self, st: ReqState) -> None:
+        st.done = True
+        try:
+            if st.mode is not None:
+                self.assembler.put(_Finish(st, self._policy))
+        finally:
+            self.on_finished(st.req_id)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

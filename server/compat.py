@@ -35,13 +35,11 @@ class Traits:
     # model_loader.reload.inplace.reload_weights (0.32); "layerwise" = the same steps done here
     # with model_loader.reload's initialize/finalize_layerwise_reload (0.26 has no inplace module).
     draft_reload: str
-    # Environment defaults set (setdefault) before the engine's config is built. 0.26 picks the
-    # V2 model runner for every dense "generate" model on CUDA; codraft hooks the V1 runner.
+    # Environment defaults set (setdefault) before the engine's config is built.
     env: tuple[tuple[str, str], ...] = ()
     # Engine arguments codraft's engines get unless the caller sets them (`engine_kwargs`,
-    # `default_serve_args`). 0.26 turns async scheduling on by default on CUDA with EAGLE;
-    # codraft's capture reads each step's accepted tokens synchronously (the worker extension
-    # refuses an engine with async scheduling). The CPU build always runs without it.
+    # `default_serve_args`). None today: codraft runs the engine as vLLM runs it by default
+    # (compiled, CUDA graphs, async scheduling, the runner vLLM picks).
     engine_defaults: tuple[tuple[str, Any], ...] = ()
     # Where the release keeps the pieces of its OpenAI server that `codraft serve` builds on:
     # "launchers" = vllm.entrypoints.launchers.* (0.32), "openai" = vllm.entrypoints.openai.
@@ -57,8 +55,7 @@ SUPPORTED: dict[str, Traits] = {
         draft_reload="layerwise",
         # The lean wheel set has no flashinfer; 0.26's sampler imports it unguarded on CUDA
         # unless its top-k/top-p path is switched off (the native sampler is used instead).
-        env=(("VLLM_USE_V2_MODEL_RUNNER", "0"), ("VLLM_USE_FLASHINFER_SAMPLER", "0")),
-        engine_defaults=(("async_scheduling", False),),
+        env=(("VLLM_USE_FLASHINFER_SAMPLER", "0"),),
         serve_api="openai",
     ),
 }
@@ -81,37 +78,75 @@ class Hook:
     why: str = ""
 
 
+_V1 = "vllm.v1.worker.gpu_model_runner"
+_V2 = "vllm.v1.worker.gpu.model_runner"
 HOOKED: tuple[Hook, ...] = (  # every supported release; hooks_for() adds the draft reload's
     Hook(
-        "vllm.v1.worker.gpu_model_runner",
+        "vllm.v1.worker.worker_base",
+        "WorkerBase.__init__",
+        ("vllm_config",),
+        "the worker assigns self.model_runner before loading (server.worker_ext._RunnerSlot)",
+    ),
+    # --- the V1 model runner (CPU builds; CUDA with VLLM_USE_V2_MODEL_RUNNER=0)
+    Hook(_V1, "GPUModelRunner.load_model", (), "wrapped per instance: configure after loading"),
+    Hook(
+        _V1,
         "GPUModelRunner.execute_model",
         ("scheduler_output", "intermediate_tensors"),
-        "wrapped per runner instance: step layout, finished requests",
+        "wrapped per runner instance: step layout, new and finished requests",
     ),
     Hook(
-        "vllm.v1.worker.gpu_model_runner",
+        _V1,
         "GPUModelRunner.sample_tokens",
         ("grammar_output",),
         "wrapped per runner instance: accepted tokens of each verification",
     ),
     Hook(
-        "vllm.v1.worker.gpu_model_runner",
+        _V1,
         "GPUModelRunner._model_forward",
         ("input_ids", "positions", "intermediate_tensors", "inputs_embeds"),
         "wrapped per runner instance: the forward's inputs, taps and last hidden state",
     ),
     Hook(
-        "vllm.v1.worker.gpu_model_runner",
+        _V1,
         "GPUModelRunner.reload_weights",
         ("weights_iterator", "weights_path", "is_checkpoint_format"),
         "policy (target weights) reload in place",
     ),
     Hook(
-        "vllm.v1.worker.gpu_model_runner",
+        _V1,
         "GPUModelRunner.shutdown",
         (),
         "wrapped per runner instance: close the tap publisher with the engine",
     ),
+    # --- the V2 model runner (what vLLM picks for dense models on CUDA)
+    Hook(_V2, "GPUModelRunner.load_model", (), "wrapped per instance: configure after loading"),
+    Hook(
+        _V2,
+        "GPUModelRunner.execute_model",
+        ("scheduler_output", "intermediate_tensors", "dummy_run"),
+        "wrapped per runner instance: the last layer off execute_model_state, step layout",
+    ),
+    Hook(
+        _V2,
+        "GPUModelRunner.sample_tokens",
+        ("grammar_output",),
+        "wrapped per runner instance: accepted tokens of each verification",
+    ),
+    Hook(_V2, "GPUModelRunner.get_draft_model", (), "the running draft model (swaps)"),
+    Hook(
+        _V2,
+        "ExecuteModelState",
+        ("input_batch", "aux_hidden_states"),
+        "the forward's aux outputs, which the drafter reads in sample_tokens",
+    ),
+    Hook(
+        "vllm.v1.worker.gpu.input_batch",
+        "InputBatch",
+        ("req_ids", "num_scheduled_tokens", "query_start_loc_np", "input_ids", "positions"),
+        "which rows of the flat batch belong to which request",
+    ),
+    # --- both
     Hook(
         "vllm.model_executor.models.interfaces",
         "EagleModelMixin._set_aux_hidden_state_layers",
@@ -133,28 +168,21 @@ HOOKED: tuple[Hook, ...] = (  # every supported release; hooks_for() adds the dr
     Hook(
         "vllm.v1.core.sched.output",
         "SchedulerOutput",
-        ("num_scheduled_tokens", "scheduled_spec_decode_tokens", "finished_req_ids"),
-        "tokens and draft proposals scheduled per request",
+        (
+            "num_scheduled_tokens",
+            "scheduled_spec_decode_tokens",
+            "finished_req_ids",
+            "scheduled_new_reqs",
+        ),
+        "tokens and draft proposals scheduled per request; requests that start and end",
     ),
     Hook(
-        "vllm.v1.worker.gpu_input_batch",
-        "CachedRequestState",
-        ("prompt_token_ids", "sampling_params", "output_token_ids"),
-        "prompt and stop rules of each request",
+        "vllm.v1.core.sched.output",
+        "NewRequestData",
+        ("req_id", "prompt_token_ids", "sampling_params"),
+        "each request's prompt and stop rules",
     ),
     Hook("vllm.config", "set_current_vllm_config", ("vllm_config",), "config context of reloads"),
-    Hook(
-        "vllm.config",
-        "SchedulerConfig",
-        ("async_scheduling",),
-        "the worker extension refuses async scheduling (capture reads each step synchronously)",
-    ),
-    Hook(
-        "vllm.config",
-        "CompilationConfig",
-        ("mode", "cudagraph_mode"),
-        "the extra aux layer needs an eager target: no torch.compile, no CUDA graphs",
-    ),
     Hook("vllm.distributed.parallel_state", "get_tp_group", (), "only TP rank 0 sends taps"),
 )
 _INPLACE_HOOKS = (

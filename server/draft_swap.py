@@ -50,6 +50,7 @@ import torch
 from codraft.draft.checkpoint import CONFIG_NAME, META_NAME, WEIGHTS_NAME
 from server.draft_kernels import StageError, install, snapshot_live, stage_kernels
 from server.draft_read import BufferPool
+from server.hooks import drafter_model, target_model
 from server.swap import (
     DraftSlot,
     SwapError,
@@ -199,7 +200,7 @@ class DraftSwapper:
     def _stage_into(self, slot: DraftSlot, snapshot: bool = False) -> None:
         """Give `slot` its kernel state (its checkpoint tensors are then dropped); on a drafter
         that does not allow staging, keep the tensors for vLLM's reload path."""
-        drafter, target = self.runner.drafter.model, self.runner.model
+        drafter, target = drafter_model(self.runner), target_model(self.runner)
         try:
             if snapshot:
                 slot.kernels = snapshot_live(drafter, target)

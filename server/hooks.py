@@ -1,21 +1,29 @@
-"""The engine step, as codraft sees it: three methods of one vLLM model runner, wrapped.
+"""The engine step, as codraft sees it: a few methods of one vLLM model runner, wrapped.
 
-Hooks (per runner instance, installed by the worker extension; vLLM's files are untouched; the
-internals are listed and checked in server.compat):
+vLLM has two GPU model runners, and codraft hooks both (the same methods on their CPU
+subclasses): the V1 runner (`vllm.v1.worker.gpu_model_runner`) and the V2 runner
+(`vllm.v1.worker.gpu.model_runner`, what vLLM 0.26 picks for dense models on CUDA). Hooks are per
+runner *instance*; vLLM's files and classes are untouched; the internals they read are listed
+and checked in server.compat.
 
-* `runner._model_forward` - sees the forward's `input_ids` and `positions` and its output
-  `(hidden_states, aux_hidden_states)`. EAGLE-3 already makes the target return the aux hidden
-  states of the draft's tap layers (aux layer k = residual stream after k layers = codraft tap
-  k). vLLM's `hidden_states` there is AFTER the final norm, so the pre-norm last hidden state is
-  captured through the same mechanism: layer L (the number of layers) is added to the model's
-  aux layers, and the wrapper takes that last aux entry off the list before vLLM (and so the
-  drafter) sees it. Nothing the drafter receives changes.
-* `runner.execute_model` - records which rows of the flat batch belong to which request, how
-  many of them are draft proposals (`scheduler_output.scheduled_spec_decode_tokens`), and tells
-  the listener which requests the scheduler reports finished, before the step runs.
-* `runner.sample_tokens` - once the step's `ModelRunnerOutput` exists (at once, or when an
-  async output is materialised), hands the listener the step record and each request's sampled
-  tokens (accepted drafts + the bonus token).
+Two things happen at two times:
+
+* **At model load** (`RunnerHooks.configure`, called by the worker extension right after the
+  runner's `load_model`, before vLLM compiles the model, profiles it or captures CUDA graphs):
+  EAGLE-3 already makes the target return the aux hidden states of the draft's tap layers (aux
+  layer k = residual stream after k layers = codraft tap k). The pre-norm last hidden state is
+  taken through the same mechanism: layer L (the number of layers) is added to the model's aux
+  layers, so every compiled or replayed forward returns it, and the wrappers installed here
+  take that extra entry off before anything of vLLM's sees the list (V1: `_model_forward`'s
+  result; V2: `execute_model_state`, which the drafter, the dummy runs and graph capture read).
+  The drafter receives exactly its own aux states.
+* **While serving** (once a listener is attached): `execute_model` tells the listener about the
+  step before it runs (new requests, finished ones), then builds a `StepRecord` (which rows of
+  the flat batch belong to which request, how many are draft proposals) and has the rows the
+  listener wants gathered and copied off the device (server.row_copy: no host-device sync);
+  `sample_tokens` hands the record and each request's sampled tokens (accepted drafts + the
+  bonus token) to the listener once they exist: at once, or, with async scheduling, when the
+  engine materialises the step's output (`get_output`), one step later.
 
 Listener callbacks run inside the engine step; an exception in them is logged and counted
 (`errors`), never raised into vLLM.
@@ -23,17 +31,18 @@ Listener callbacks run inside the engine step; an exception in them is logged an
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-log = logging.getLogger(__name__)
+from server.row_copy import RowCopier, StagedRows
 
-# Steps whose host-side first positions are checked against the device's (see _first_positions).
-HOST_POSITION_CHECKS = 16
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------- one step
@@ -45,232 +54,112 @@ class ReqSlice:
     start: int  # first row in the flat batch
     num_tokens: int  # rows scheduled this step
     num_drafts: int  # of which draft proposals (the last ones)
-    position: int  # sequence position of the first row
-
-    def final_rows(self, sampled: list[int]) -> int:
-        """How many leading rows are final once the step sampled `sampled` for this request."""
-        if self.num_drafts == 0:
-            return self.num_tokens
-        accepted = min(max(len(sampled) - 1, 0), self.num_drafts)
-        return self.num_tokens - self.num_drafts + accepted
 
     def accepted(self, sampled: list[int]) -> int:
         return min(max(len(sampled) - 1, 0), self.num_drafts) if self.num_drafts else 0
 
+    def final_rows(self, sampled: list[int]) -> int:
+        """How many leading rows are final once the step sampled `sampled` for this request."""
+        return self.num_tokens - self.num_drafts + self.accepted(sampled)
+
 
 @dataclass
 class StepRecord:
-    """What one engine step fed the target and what it returned (device tensors)."""
+    """One engine step as the listener sees it. `rows` holds the gathered rows of the slices
+    listed in `row_offsets` (slice index -> first row in `rows`), copied off the device."""
 
+    seq: int
     slices: list[ReqSlice]
-    input_ids: torch.Tensor | None  # [N]
-    taps: list[torch.Tensor]  # aux hidden states of the draft's tap layers, each [N, H]
-    last_hidden: torch.Tensor | None  # [N, H], residual stream after the last layer
+    context: Any = None  # what the listener attached in before_step
+    rows: StagedRows | None = None
+    row_offsets: dict[int, int] = field(default_factory=dict)
 
 
 class StepListener:
     """What the hooks report to (implemented by the worker extension)."""
 
-    def before_step(self, scheduler_output: Any) -> None: ...
+    def before_step(self, scheduler_output: Any) -> Any:
+        """Engine thread, before the step runs; the return value becomes record.context."""
 
-    def on_step(self, record: StepRecord, sampled: list[list[int]]) -> None: ...
+    def rows_wanted(self, slices: list[ReqSlice]) -> list[int]:
+        """Engine thread: the slices whose rows to gather and copy."""
+        return []
 
+    def after_sample(self) -> None:
+        """Engine thread, after the step's drafting (its proposals are for the next step)."""
 
-# ---------------------------------------------------------------------------- hooks
-class RunnerHooks:
-    """Wraps `_model_forward`, `execute_model` and `sample_tokens` of one runner instance."""
-
-    NAMES = ("_model_forward", "execute_model", "sample_tokens")
-
-    def __init__(self, runner: Any, tap_layers: tuple[int, ...], listener: StepListener) -> None:
-        self.runner = runner
-        self.listener = listener
-        self.tap_layers = tuple(tap_layers)
-        self.num_layers = int(runner.model_config.hf_config.num_hidden_layers)
-        self.extra_last = self.num_layers not in self.tap_layers
-        self.errors = 0
-        # first positions from the runner's host bookkeeping (no device sync), and how many
-        # steps checked them against the device's (see _first_positions)
-        self.host_positions = True
-        self.host_position_checks = 0
-        self._orig: dict[str, Callable] = {}
-        self._in_step = False
-        self._fwd: tuple | None = None
-        self._pending: StepRecord | None = None
-
-    # ------------------------------------------------------------------ install
-    def install(self) -> None:
-        runner = self.runner
-        model = _raw_model(runner)
-        holder = _aux_holder(model)
-        # vLLM 0.32 stores the aux layers sorted, 0.26 as given; both return them in layer order.
-        have = tuple(sorted(holder.aux_hidden_state_layers))
-        if have != tuple(sorted(self.tap_layers)):
-            raise RuntimeError(
-                f"the target collects aux hidden states of layers {list(have)}, but the draft's "
-                f"tap layers are {list(self.tap_layers)}; codraft needs them equal"
-            )
-        if list(self.tap_layers) != sorted(self.tap_layers):
-            raise RuntimeError(f"tap layers must be increasing, got {list(self.tap_layers)}")
-        if self.extra_last:
-            _check_not_compiled(runner)
-            model.set_aux_hidden_state_layers(self.tap_layers + (self.num_layers,))
-        for name in self.NAMES:
-            self._orig[name] = getattr(runner, name)
-        runner._model_forward = self._model_forward
-        runner.execute_model = self._execute_model
-        runner.sample_tokens = self._sample_tokens
-
-    def uninstall(self) -> None:
-        for name in self.NAMES:
-            if name in self._orig:
-                delattr(self.runner, name)  # back to the class's method
-        self._orig.clear()
-        if self.extra_last:
-            _raw_model(self.runner).set_aux_hidden_state_layers(self.tap_layers)
-
-    # ------------------------------------------------------------------ wrappers
-    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
-        out = self._orig["_model_forward"](*args, **kwargs)
-        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], list | tuple)):
-            return out  # not an EAGLE-3 forward with aux outputs (e.g. a PP stage)
-        hidden, aux = out
-        if self.extra_last:
-            last, aux = aux[-1], list(aux[:-1])
-            out = (hidden, aux)
-        else:
-            last = aux[self.tap_layers.index(self.num_layers)]
-        if self._in_step:
-            # input_ids/positions are views of persistent buffers that later steps (and the
-            # drafter) overwrite: copy them; the aux outputs are fresh tensors of this forward.
-            input_ids = kwargs.get("input_ids", args[0] if args else None)
-            positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
-            self._fwd = (
-                None if input_ids is None else input_ids.clone(),
-                None if positions is None else positions.clone(),
-                list(aux),
-                last,
-            )
-        return out
-
-    def _execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        self._guard(self.listener.before_step, scheduler_output)
-        self._fwd, self._pending = None, None
-        self._in_step = True
-        try:
-            out = self._orig["execute_model"](scheduler_output, *args, **kwargs)
-        finally:
-            self._in_step = False
-        if out is None and self._fwd is not None:
-            self._pending = self._guard(self._record, scheduler_output)
-        self._fwd = None
-        return out
-
-    def _sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
-        out = self._orig["sample_tokens"](*args, **kwargs)
-        record, self._pending = self._pending, None
-        if record is None:
-            return out
-        from vllm.v1.outputs import ModelRunnerOutput
-
-        if isinstance(out, ModelRunnerOutput):
-            self._guard(self._deliver, record, out)
-        elif hasattr(out, "get_output"):  # async scheduling: tokens exist once get_output runs
-            get_output = out.get_output
-
-            def get_output_and_deliver() -> Any:
-                result = get_output()
-                self._guard(self._deliver, record, result)
-                return result
-
-            out.get_output = get_output_and_deliver
-        return out
-
-    # ------------------------------------------------------------------ helpers
-    def _guard(self, fn: Callable, *args: Any) -> Any:
-        """Run a codraft callback; an error in it is logged and counted, never raised into
-        the engine step."""
-        try:
-            return fn(*args)
-        except Exception:
-            self.errors += 1
-            log.exception("codraft capture: %s failed (counted; serving continues)", fn.__name__)
-            return None
-
-    def _record(self, scheduler_output: Any) -> StepRecord:
-        input_ids, positions, taps, last = self._fwd
-        req_ids = list(self.runner.input_batch.req_ids)
-        counts = [int(scheduler_output.num_scheduled_tokens[r]) for r in req_ids]
-        spec = scheduler_output.scheduled_spec_decode_tokens or {}
-        starts, total = [], 0
-        for n in counts:
-            starts.append(total)
-            total += n
-        slices = [
-            ReqSlice(r, s, n, len(spec.get(r, ())), p)
-            for r, s, n, p in zip(
-                req_ids, starts, counts, self._first_positions(positions, starts), strict=True
-            )
-        ]
-        return StepRecord(slices, input_ids, taps, last)
-
-    def _first_positions(self, positions: Any, starts: list[int]) -> list[int]:
-        """Each request's first scheduled position. The runner computed them on the host from
-        ``input_batch.num_computed_tokens_cpu`` (exact without async scheduling, which codraft
-        refuses); reading those avoids a device->host copy, i.e. a sync of every GPU step. The
-        first steps check them against the positions the model ran with; on any difference
-        (another vLLM's bookkeeping) the device positions are read from then on."""
-
-        def device() -> list[int]:
-            idx = torch.tensor(starts, dtype=torch.long, device=positions.device)
-            return positions[idx].tolist()
-
-        host = getattr(self.runner.input_batch, "num_computed_tokens_cpu", None)
-        if host is None or not self.host_positions:
-            return device()
-        first = host[: len(starts)].tolist()
-        if self.host_position_checks < HOST_POSITION_CHECKS:
-            self.host_position_checks += 1
-            ran = device()
-            if first != ran:
-                log.error(
-                    "codraft capture: input_batch.num_computed_tokens_cpu %s differs from the "
-                    "positions the model ran with %s; reading positions from the device",
-                    first[:8], ran[:8],
-                )  # fmt: skip
-                self.host_positions = False
-                return ran
-        return first
-
-    def _deliver(self, record: StepRecord, output: Any) -> None:
-        index = output.req_id_to_index
-        sampled_all = output.sampled_token_ids
-        sampled = []
-        for s in record.slices:
-            i = index.get(s.req_id)
-            sampled.append(list(sampled_all[i]) if i is not None and i < len(sampled_all) else [])
-        self.listener.on_step(record, sampled)
+    def on_step(self, record: StepRecord, sampled: list[list[int]] | None) -> None:
+        """When the step's tokens exist (None: the step produced no output)."""
 
 
-def _raw_model(runner: Any) -> Any:
-    """The runner's model without a CUDA-graph / micro-batch wrapper around it."""
+@dataclass
+class HookTimes:
+    """Host time spent in codraft's wrappers, for the per-step cost of capture."""
+
+    steps: int = 0
+    record_ns: int = 0  # execute_model: record + gather + copy launch
+    deliver_ns: int = 0  # sampled tokens handed to the listener
+
+    def to_dict(self) -> dict[str, float | int]:
+        n = max(self.steps, 1)
+        return {
+            "steps": self.steps,
+            "record_us_per_step": self.record_ns / n / 1e3,
+            "deliver_us_per_step": self.deliver_ns / n / 1e3,
+        }
+
+
+# ---------------------------------------------------------------------------- runners
+def runner_kind(runner: Any) -> str:
+    """ "v2" for vLLM's V2 model runner (and its CPU subclass), "v1" for the V1 runner."""
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
+    except ImportError:
+        V2 = None
+    if V2 is not None and isinstance(runner, V2):
+        return "v2"
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1
+
+    if isinstance(runner, V1):
+        return "v1"
+    raise RuntimeError(
+        f"codraft hooks vLLM's V1 or V2 GPU model runner (or their CPU subclasses), found "
+        f"{type(runner).__module__}.{type(runner).__name__}"
+    )
+
+
+def _unwrap(model: Any) -> Any:
+    """A model without vLLM's CUDA-graph / micro-batch wrappers around it."""
+    while True:
+        inner = getattr(model, "unwrap", None)
+        if callable(inner):
+            unwrapped = inner()
+            if unwrapped is model:
+                return model
+            model = unwrapped
+            continue
+        runnable = model.__dict__.get("runnable") if hasattr(model, "__dict__") else None
+        if runnable is None:
+            return model
+        model = runnable
+
+
+def target_model(runner: Any) -> Any:
     get_model = getattr(runner, "get_model", None)
-    return get_model() if callable(get_model) else runner.model
+    return _unwrap(get_model() if callable(get_model) else runner.model)
 
 
-def _check_not_compiled(runner: Any) -> None:
-    """The extra aux layer is set after start-up: a model that torch.compile traced before
-    would not return it (vLLM drops the guards). enforce_eager=True turns compilation off."""
-    config = getattr(runner, "compilation_config", None)
-    if config is None:
-        config = getattr(getattr(runner, "vllm_config", None), "compilation_config", None)
-    mode = getattr(config, "mode", None)
-    if mode is not None and getattr(mode, "name", str(mode)) != "NONE":
-        raise RuntimeError(
-            f"the target model is compiled (compilation mode {getattr(mode, 'name', mode)}); "
-            "codraft adds an aux layer after start-up, which a compiled graph would not see: "
-            "run the engine with enforce_eager=True"
-        )
+def drafter_model(runner: Any) -> Any:
+    """The running EAGLE-3 draft model (V1: runner.drafter.model; V2: the speculator's)."""
+    get_draft = getattr(runner, "get_draft_model", None)
+    if callable(get_draft):
+        model = get_draft()
+        if model is not None:
+            return _unwrap(model)
+    drafter = getattr(runner, "drafter", None)
+    if drafter is None:
+        raise RuntimeError("the engine has no draft model: start it with EAGLE-3 speculation")
+    return _unwrap(drafter.model)
 
 
 def _aux_holder(model: Any) -> Any:
@@ -285,3 +174,223 @@ def _aux_holder(model: Any) -> Any:
             "EAGLE-3 in vLLM and speculative decoding must use method 'eagle3'"
         )
     return holder
+
+
+# ---------------------------------------------------------------------------- hooks
+class RunnerHooks:
+    """The wrapped methods of one runner instance (see module doc)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.kind = runner_kind(runner)
+        self.num_layers = int(runner.model_config.hf_config.num_hidden_layers)
+        self.tap_layers: tuple[int, ...] = ()
+        self.extra_last = False
+        self.listener: StepListener | None = None
+        self.copier: RowCopier | None = None
+        self.errors = 0
+        self.times = HookTimes()
+        self._orig: dict[str, Callable] = {}
+        self._seq = itertools.count()
+        self._in_step = False
+        self._fwd: tuple | None = None
+        self._pending: StepRecord | None = None
+
+    # ------------------------------------------------------------------ load time
+    def configure(self) -> None:
+        """Right after the model is loaded: add layer L to the target's aux layers and wrap the
+        runner so that vLLM's own code never sees it. Must run before the first forward (vLLM
+        compiles and captures graphs on the forwards of its start-up)."""
+        holder = _aux_holder(target_model(self.runner))
+        # vLLM 0.32 stores the aux layers sorted, 0.26 as given; both return them in layer order.
+        taps = tuple(sorted(int(t) for t in holder.aux_hidden_state_layers))
+        if not taps:
+            raise RuntimeError("the target collects no aux hidden states: is EAGLE-3 on?")
+        if len(set(taps)) != len(taps):
+            raise RuntimeError(f"the draft's tap layers repeat a layer: {list(taps)}")
+        self.tap_layers = taps
+        self.extra_last = self.num_layers not in taps
+        if self.extra_last:
+            target_model(self.runner).set_aux_hidden_state_layers(taps + (self.num_layers,))
+        names = ("_model_forward",) if self.kind == "v1" else ()
+        for name in (*names, "execute_model", "sample_tokens"):
+            self._orig[name] = getattr(self.runner, name)
+        if self.kind == "v1":
+            self.runner._model_forward = self._model_forward_v1
+        self.runner.execute_model = self._execute_model
+        self.runner.sample_tokens = self._sample_tokens
+
+    def attach(self, listener: StepListener, wire_dtype: torch.dtype) -> None:
+        self.copier = RowCopier(self.runner.device, wire_dtype)
+        self.listener = listener
+
+    def detach(self) -> None:
+        self.listener = None
+
+    # ------------------------------------------------------------------ aux outputs
+    def _split(self, aux: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(the drafter's aux states, the last hidden state) from the model's aux outputs."""
+        aux = list(aux)
+        expected = len(self.tap_layers) + int(self.extra_last)
+        if len(aux) != expected:
+            raise RuntimeError(
+                f"the target returned {len(aux)} aux hidden states, codraft configured "
+                f"{expected} (taps {list(self.tap_layers)} + the last layer): the model was "
+                "compiled or captured without codraft's configuration (a stale vLLM compile "
+                "cache?); clear it or start the engine through codraft"
+            )
+        if self.extra_last:
+            return aux[:-1], aux[-1]
+        return aux, aux[self.tap_layers.index(self.num_layers)]
+
+    def _model_forward_v1(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._orig["_model_forward"](*args, **kwargs)
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], list | tuple)):
+            return out  # not an EAGLE-3 forward with aux outputs (e.g. a PP stage)
+        hidden, aux = out
+        taps, last = self._split(aux)
+        if self._in_step:
+            # views of buffers the next step overwrites: gathered before it (_record)
+            input_ids = kwargs.get("input_ids", args[0] if args else None)
+            positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+            self._fwd = (input_ids, positions, taps, last)
+        return hidden, taps
+
+    def _strip_v2(self) -> tuple | None:
+        """Take the last layer off the V2 runner's execute_model_state; return the forward's
+        (input_ids, positions, taps, last) for the record."""
+        st = getattr(self.runner, "execute_model_state", None)
+        if st is None or st.aux_hidden_states is None:
+            return None
+        taps, last = self._split(st.aux_hidden_states)
+        self.runner.execute_model_state = st._replace(aux_hidden_states=taps)
+        batch = st.input_batch
+        return (batch.input_ids, batch.positions, taps, last)
+
+    # ------------------------------------------------------------------ wrappers
+    def _execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        listener = self.listener
+        dummy = self.kind == "v2" and bool(
+            kwargs.get("dummy_run", args[1] if len(args) > 1 else False)
+        )
+        if listener is None or dummy:
+            out = self._orig["execute_model"](scheduler_output, *args, **kwargs)
+            if self.kind == "v2":
+                self._strip_v2()
+            return out
+        context = self._guard(listener.before_step, scheduler_output)
+        self._fwd, self._pending = None, None
+        self._in_step = True
+        try:
+            out = self._orig["execute_model"](scheduler_output, *args, **kwargs)
+        finally:
+            self._in_step = False
+        t0 = time.perf_counter_ns()
+        fwd = self._strip_v2() if self.kind == "v2" else self._fwd
+        self._fwd = None
+        if out is None and fwd is not None:
+            self._pending = self._guard(self._record, scheduler_output, fwd, context)
+        else:  # no forward this step: the listener still learns about finished requests
+            self._guard(listener.on_step, StepRecord(next(self._seq), [], context), None)
+        self.times.record_ns += time.perf_counter_ns() - t0
+        return out
+
+    def _sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        record, self._pending = self._pending, None
+        out = self._orig["sample_tokens"](*args, **kwargs)
+        listener = self.listener
+        if listener is None:
+            return out
+        self._guard(listener.after_sample)
+        if record is None:
+            return out
+        t0 = time.perf_counter_ns()
+        self.times.steps += 1
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        if isinstance(out, ModelRunnerOutput):
+            self._guard(self._deliver, listener, record, out)
+        elif hasattr(out, "get_output"):  # tokens exist once the engine materialises them
+            get_output = out.get_output
+
+            def get_output_and_deliver() -> Any:
+                result = get_output()
+                t1 = time.perf_counter_ns()
+                self._guard(self._deliver, listener, record, result)
+                self.times.deliver_ns += time.perf_counter_ns() - t1
+                return result
+
+            out.get_output = get_output_and_deliver
+        else:  # the step failed or produced nothing
+            self._guard(listener.on_step, record, None)
+        self.times.deliver_ns += time.perf_counter_ns() - t0
+        return out
+
+    # ------------------------------------------------------------------ helpers
+    def _guard(self, fn: Callable, *args: Any) -> Any:
+        """Run a codraft callback; an error in it is logged and counted, never raised into
+        the engine step."""
+        try:
+            return fn(*args)
+        except Exception:
+            self.errors += 1
+            log.exception("codraft capture: %s failed (counted; serving continues)", fn.__name__)
+            return None
+
+    def _layout(self, scheduler_output: Any) -> list[ReqSlice]:
+        """The step's requests in flat-batch order with their row counts."""
+        spec = scheduler_output.scheduled_spec_decode_tokens or {}
+        if self.kind == "v2":
+            batch = self.runner.execute_model_state.input_batch
+            req_ids = list(batch.req_ids)
+            counts = batch.num_scheduled_tokens.tolist()
+            starts = batch.query_start_loc_np[: len(req_ids)].tolist()
+        else:
+            req_ids = list(self.runner.input_batch.req_ids)
+            scheduled = scheduler_output.num_scheduled_tokens
+            counts = [int(scheduled[r]) for r in req_ids]
+            starts = list(itertools.accumulate(counts, initial=0))[:-1]
+        return [
+            ReqSlice(r, s, n, len(spec.get(r, ())))
+            for r, s, n in zip(req_ids, starts, counts, strict=True)
+        ]
+
+    def _record(self, scheduler_output: Any, fwd: tuple, context: Any) -> StepRecord:
+        input_ids, positions, taps, last = fwd
+        record = StepRecord(next(self._seq), self._layout(scheduler_output), context)
+        wanted = self.listener.rows_wanted(record.slices) if input_ids is not None else []
+        if wanted and self.copier is not None:
+            ranges, offset = [], 0
+            for i in wanted:
+                s = record.slices[i]
+                record.row_offsets[i] = offset
+                ranges.append((s.start, s.start + s.num_tokens))
+                offset += s.num_tokens
+            merged = _merge(ranges)
+            record.rows = self.copier.copy(input_ids, positions, [*taps, last], merged)
+        return record
+
+    def _deliver(self, listener: StepListener, record: StepRecord, output: Any) -> None:
+        index = output.req_id_to_index
+        sampled_all = output.sampled_token_ids or []
+        sampled = []
+        for s in record.slices:
+            i = index.get(s.req_id)
+            sampled.append(list(sampled_all[i]) if i is not None and i < len(sampled_all) else [])
+        listener.on_step(record, sampled)
+
+
+def _is_dummy_run(args: tuple, kwargs: dict) -> bool:
+    """V2's execute_model(scheduler_output, intermediate_tensors, dummy_run, ...)."""
+    return bool(kwargs.get("dummy_run", args[1] if len(args) > 1 else False))
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent [start, end) ranges joined (the usual case is one range: every row)."""
+    out = [ranges[0]]
+    for s, e in ranges[1:]:
+        if s == out[-1][1]:
+            out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out

