@@ -522,10 +522,8 @@ def test_capture_is_exact(run: EngineRun) -> None:
         T = len(seq) - 1  # the last token is never a forward input: it has no features
         ids = torch.cat([m.token_ids for m in msgs])
         mask = torch.cat([m.loss_mask for m in msgs])
-        assert ids.tolist() == seq[:T], (
-            f"{rid}: captured ids are not the final sequence: "
-            f"{[(m.header.request_id, m.num_tokens) for m in msgs]}, {len(o['prompt'])}+{len(o['out'])}"
-        )
+        parts = [(m.header.request_id, m.num_tokens) for m in msgs]
+        assert ids.tolist() == seq[:T], f"{rid}: captured ids are not the sequence: {parts}"
         assert mask.tolist() == [0] * len(o["prompt"]) + [1] * (T - len(o["prompt"]))
         assert all(m.num_tokens <= 16 for m in msgs)
         chunked += len(msgs) > 1
