@@ -165,7 +165,10 @@ def main() -> int:
             ["serve", "--model", str(model), "--port", str(port), "--control-port", str(cport),
              "--control-token-file", str(token_file), "--tap-endpoint", f"tcp://127.0.0.1:{tap}",
              "--dtype", "float32", "--max-model-len", "2048",
-             "--num-speculative-tokens", str(args.k), "--work-dir", str(out / "server")],
+             "--num-speculative-tokens", str(args.k), "--work-dir", str(out / "server"),
+             # eager: torch.compile costs minutes of start-up on two cores, and the demo's
+             # no-speculation arms run eager too
+             "--enforce-eager"],
             out / "server.log",
         )  # fmt: skip
         client = CodraftClient(f"http://127.0.0.1:{cport}", token=token)

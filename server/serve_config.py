@@ -237,10 +237,11 @@ def _has_flag(argv: list[str], *flags: str) -> bool:
 def vllm_argv(cfg: ServeConfig, model: Path, draft: Path) -> list[str]:
     """The vLLM serve command line for `cfg` (cfg.vllm_args appended last).
 
-    Always eager (the worker extension adds an aux layer after start-up, which captured CUDA
-    graphs would miss). In "full" tap mode prefix caching is off unless the extra arguments
-    turn it on: a prefix-cache hit skips the prompt's forward pass, so the request's features
-    could not be captured (the engine counts it in requests_incomplete instead).
+    The engine runs as vLLM runs it by default (torch.compile, CUDA graphs, async scheduling,
+    the model runner vLLM picks): the worker extension configures its capture when the model
+    is loaded, before any of that. In "full" tap mode prefix caching is off unless the extra
+    arguments turn it on: a prefix-cache hit skips the prompt's forward pass, so the request's
+    features could not be captured (the engine counts it in requests_incomplete instead).
     """
     for flag in ("--speculative-config", "--worker-extension-cls", "--model"):
         if any(a == flag or a.startswith(flag + "=") for a in cfg.vllm_args):
@@ -268,14 +269,13 @@ def vllm_argv(cfg: ServeConfig, model: Path, draft: Path) -> list[str]:
     ]  # fmt: skip
     if cfg.max_model_len is not None:
         argv += ["--max-model-len", str(cfg.max_model_len)]
-    argv.append("--enforce-eager")
     if cfg.tap_mode == "full" and not _has_flag(
         passthrough, "--enable-prefix-caching", "--no-enable-prefix-caching"
     ):
         argv.append("--no-enable-prefix-caching")
     from server.compat import default_serve_args
 
-    # the installed release's engine defaults (vLLM 0.26: --no-async-scheduling), unless given
+    # the installed release's engine defaults (server.compat.Traits), unless given
     return argv + default_serve_args(passthrough) + passthrough
 
 
@@ -289,3 +289,22 @@ def parse_vllm_args(argv: list[str]) -> argparse.Namespace:
         args.model = args.model_tag
     api.validate_parsed_serve_args(args)
     return args
+
+
+def offline_engine_kwargs(cfg: ServeConfig, model: Path, draft: Path) -> dict[str, Any]:
+    """`codraft serve`'s engine as keyword arguments of an offline `vllm.LLM`: its vLLM command
+    line (`vllm_argv`) parsed by vLLM's own parser, the engine arguments that differ from
+    vLLM's defaults. The same engine, without the HTTP servers (benchmarks, notebooks)."""
+    from dataclasses import fields as dc_fields
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    parsed = EngineArgs.from_cli_args(parse_vllm_args(vllm_argv(cfg, model, draft)))
+    defaults = EngineArgs(model=parsed.model)
+    out: dict[str, Any] = {"model": parsed.model}
+    for f in dc_fields(EngineArgs):
+        value, default = getattr(parsed, f.name), getattr(defaults, f.name)
+        # the parser spells some unset options None or "" where the dataclass says False/None
+        if f.name != "model" and value != default and (value or default):
+            out[f.name] = value
+    return out

@@ -87,6 +87,7 @@ def test_online_loop(tiny_llama_dir: Path, tmp_path: Path) -> None:
             "--tap-endpoint", f"tcp://127.0.0.1:{tap}", "--dtype", "float32",
             "--max-model-len", "512", "--num-speculative-tokens", "3",
             "--work-dir", str(tmp_path / "server"),
+            "--enforce-eager",  # compiled engines: test_server_engine.py; here, start-up time
         ],
         tmp_path / "server.log",
     )  # fmt: skip

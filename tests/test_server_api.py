@@ -75,6 +75,7 @@ def _serve_args(target: Path, draft: Path, *extra: str) -> list[str]:
         "--max-model-len", "256",
         "--num-speculative-tokens", str(K),
         "--max-num-seqs", "16",
+        "--enforce-eager",  # compiled engines: test_server_engine.py; here, start-up time
         *extra,
     ]  # fmt: skip
 
@@ -955,7 +956,9 @@ def test_serve_config_token_exposure_and_vllm_args(tmp_path: Path, monkeypatch) 
     extra = json.loads(argv[argv.index("--additional-config") + 1])["codraft"]
     assert extra["tap_endpoint"] == "tcp://127.0.0.1:5557" and extra["tap_hwm"] == 2
     assert argv.count("--additional-config") == 1 and argv[-2:] == ["--max-num-seqs", "4"]
-    assert "--enforce-eager" in argv and argv[argv.index("--host") + 1] == "127.0.0.1"
+    # vLLM's own engine defaults: compiled, CUDA graphs, async scheduling where vLLM uses them
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert not {"--enforce-eager", "--no-async-scheduling"} & set(argv)
     assert "--no-enable-prefix-caching" in argv  # "full" taps need every prompt computed
     cfg = ServeConfig(tap_mode="ids", vllm_args=["--enable-prefix-caching"])
     assert "--no-enable-prefix-caching" not in vllm_argv(cfg, Path("/m"), Path("/d"))

@@ -200,7 +200,7 @@ class CodraftArm(ArmServer):
             "--dtype", f.dtype, "--max-model-len", str(f.max_model_len),
             "--num-speculative-tokens", str(f.num_speculative_tokens),
             "--work-dir", str(self.work / "serve"), "--max-num-seqs", str(f.max_num_seqs),
-            "--no-enable-prefix-caching",
+            "--no-enable-prefix-caching", "--enforce-eager",  # as the plain arm: same engine mode
         ]  # fmt: skip
         if self.tap_port is not None:
             argv += ["--tap-endpoint", f"tcp://127.0.0.1:{self.tap_port}"]
