@@ -20,23 +20,19 @@ def test_release_defaults_are_version_gated(monkeypatch: pytest.MonkeyPatch) -> 
     from server import compat
     from server.serve_config import ServeConfig, vllm_argv
 
-    assert compat.engine_kwargs("0.32.0") == {}
-    assert compat.engine_kwargs("0.26.0") == {"async_scheduling": False}
-    assert compat.engine_kwargs("0.26.0", {"async_scheduling": True}) == {}
-    assert compat.default_serve_args([], "0.32.0") == []
-    assert compat.default_serve_args([], "0.26.0") == ["--no-async-scheduling"]
-    for given in (["--async-scheduling"], ["--no-async-scheduling"]):
-        assert compat.default_serve_args(given, "0.26.0") == []
+    # codraft runs vLLM's own engine defaults on both releases: compiled, CUDA graphs, async
+    # scheduling and the model runner vLLM picks
+    for version in ("0.32.0", "0.26.0"):
+        assert compat.engine_kwargs(version) == {}
+        assert compat.default_serve_args([], version) == []
+    assert dict(compat.traits("0.26.0").env) == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
     assert compat.traits("0.26.0").serve_api == "openai"
     assert compat.traits("0.32.0").serve_api == "launchers"
 
-    argv = vllm_argv(ServeConfig(), Path("/m"), Path("/d"))
-    assert "--no-async-scheduling" not in argv  # the CPU build: unchanged
     monkeypatch.setattr(compat, "vllm_version", lambda: "0.26.0")
     argv = vllm_argv(ServeConfig(vllm_args=["--max-num-seqs", "8"]), Path("/m"), Path("/d"))
-    assert argv[-3:] == ["--no-async-scheduling", "--max-num-seqs", "8"]
-    argv = vllm_argv(ServeConfig(vllm_args=["--async-scheduling"]), Path("/m"), Path("/d"))
-    assert "--no-async-scheduling" not in argv  # the caller's flag wins (the engine refuses it)
+    assert argv[-2:] == ["--max-num-seqs", "8"]
+    assert not {"--no-async-scheduling", "--enforce-eager"} & set(argv)
 
 
 def test_serve_api_resolves_on_the_installed_vllm() -> None:
@@ -63,24 +59,26 @@ def test_serve_api_resolves_on_the_installed_vllm() -> None:
         pass
 
 
-def test_worker_extension_refuses_async_scheduling() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+def test_worker_extension_takes_every_engine_mode() -> None:
+    """Compiled, CUDA graphs, async scheduling: nothing in the engine check refuses them (the
+    capture is configured at load, server.hooks); pipeline parallelism still is refused."""
+    from vllm.config import CUDAGraphMode
 
     from server.swap import SwapError
     from server.worker_ext import CodraftEngine
 
-    def engine(async_scheduling: bool) -> SimpleNamespace:
+    def engine(pp: int = 1) -> SimpleNamespace:
         cfg = SimpleNamespace(
             speculative_config=SimpleNamespace(method="eagle3"),
-            parallel_config=SimpleNamespace(pipeline_parallel_size=1),
-            compilation_config=SimpleNamespace(cudagraph_mode=None),
-            scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+            parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
+            compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
+            scheduler_config=SimpleNamespace(async_scheduling=True),
         )
-        return SimpleNamespace(vllm_config=cfg, runner=GPUModelRunner.__new__(GPUModelRunner))
+        return SimpleNamespace(vllm_config=cfg)
 
-    CodraftEngine._check_engine(engine(False))  # type: ignore[arg-type]
-    with pytest.raises(SwapError, match="async scheduling") as e:
-        CodraftEngine._check_engine(engine(True))  # type: ignore[arg-type]
+    CodraftEngine._check_engine(engine())  # type: ignore[arg-type]
+    with pytest.raises(SwapError, match="pipeline parallelism") as e:
+        CodraftEngine._check_engine(engine(pp=2))  # type: ignore[arg-type]
     assert e.value.status == 503
 
 
@@ -108,8 +106,11 @@ def test_kit_scripts_parse_and_smoke() -> None:
         cwd=REPO,
     )
     assert r.returncode == 0 and "smoke ok" in r.stdout, r.stdout + r.stderr
-    assert "'async_scheduling': False" in r.stdout
-    scripts = ("run_all.py", "cotrain.py", "check_vllm_src.py", "make_prompts.py", "bench_scale.py")
+    assert "engine defaults on 0.26.0: {}" in r.stdout
+    scripts = (
+        "run_all.py", "cotrain.py", "check_vllm_src.py", "make_prompts.py", "bench_scale.py",
+        "engine_checks.py",
+    )  # fmt: skip
     for script in scripts:
         r = subprocess.run(
             [sys.executable, str(KIT / script), "--help"], capture_output=True, text=True
@@ -150,7 +151,8 @@ def test_codraft_fits_the_vllm_0_26_source() -> None:
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     report = json.loads(r.stdout[r.stdout.index("{") : r.stdout.rindex("}") + 1])
-    assert report["hook_problems"] == [] and report["serve_async_scheduling"] is False
+    # codraft serve leaves async scheduling to vLLM (None: on by default with CUDA)
+    assert report["hook_problems"] == [] and report["serve_async_scheduling"] is None
 
 
 def test_run_all_overlap_runs_identity_beside_cotrain(tmp_path: Path) -> None:
@@ -181,9 +183,29 @@ def test_bench_scale_models_are_llama_8b_and_its_eagle3_draft(tmp_path: Path) ->
     from codraft.draft.config import DraftConfig
     from codraft.prepare import resolve_model
 
-    target, draft = make_models(tmp_path, resolve_model("smollm2"), 8192)
+    target, draft = make_models(tmp_path, resolve_model("smollm2"), 8192, draft_weights=False)
     assert json.loads((target / "config.json").read_text()) == LLAMA_8B
     assert (target / "tokenizer.json").is_file() and not list(target.glob("*.safetensors"))
     cfg = DraftConfig.from_hf_dict(json.loads((draft / "config.json").read_text()))
     assert (cfg.hidden_size, cfg.num_key_value_heads, cfg.vocab_size) == (4096, 8, 128256)
     assert cfg.draft_vocab_size == 8192 and all(0 <= t < 32 for t in cfg.tap_layers)
+
+
+def test_engine_checks_chi_square() -> None:
+    """engine_checks.chi_square: equal samples give p = 1; a planted shift of one category
+    gives p ~ 0; pooling keeps rare categories from inflating the statistic."""
+    from collections import Counter
+
+    sys.path.insert(0, str(KIT))
+    from engine_checks import chi_square
+
+    a = Counter({1: 500, 2: 300, 3: 200})
+    stat, df, p = chi_square(a, Counter(a))
+    assert stat == 0.0 and df == 2 and p == pytest.approx(1.0)
+    stat, df, p = chi_square(a, Counter({1: 800, 2: 100, 3: 100}))
+    assert p < 1e-20
+    # a 2x3 table by hand: both rows expect 400 / 200 / 200
+    stat, _, _ = chi_square(Counter({1: 500, 2: 200, 3: 100}), Counter({1: 300, 2: 200, 3: 300}))
+    assert stat == pytest.approx(2 * (100**2 / 400) + 0 + 2 * (100**2 / 200))
+    rare = chi_square(Counter({1: 500, 7: 1}), Counter({1: 500, 8: 1}))
+    assert rare[1] == 1 and rare[2] > 0.5  # 7 and 8 pooled into one category

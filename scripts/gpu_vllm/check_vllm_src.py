@@ -38,6 +38,7 @@ ENGINE_MODULES = (
     "vllm.v1.executor.uniproc_executor",
     "vllm.v1.worker.gpu_worker",
     "vllm.v1.worker.gpu_model_runner",
+    "vllm.v1.worker.gpu.model_runner",
     "vllm.v1.spec_decode.eagle",
     "vllm.model_executor.models.llama",
     "vllm.model_executor.models.llama_eagle3",

@@ -1,5 +1,6 @@
-"""The GPU serving session (issue #12) in one command: install, report, prepare, check, co-train,
-benchmark. Standard library only (it runs before the venv exists); see run_all.sh.
+"""The GPU serving session in one command: install, report, prepare, check, co-train, benchmark.
+Standard library only (it runs before the venv exists); see run_all.sh. Every engine runs in
+vLLM's default mode (torch.compile + CUDA graphs, async scheduling, the runner vLLM picks).
 
 Phases, in this order, each selectable (`--phases`), each logged with timestamps, each run even
 when an earlier one failed (the failure, its exit status and its log's tail are recorded):
@@ -7,18 +8,22 @@ when an earlier one failed (the failure, its exit status and its log's tail are 
   install   bash scripts/gpu_vllm/install.sh                        (~1 min: .gpu_venv)
   env       machine, GPU, Python, torch, vLLM, codraft's check of the vLLM internals it hooks
   prepare   codraft prepare smollm2                                 (GGUF -> safetensors)
-  identity  greedy outputs with and without speculation, bfloat16 (what `codraft serve` runs;
-            --identity-dtype float32 picks Triton attention), batches 1/8/32/64, untrained
-            draft, also with codraft's hooks and the tap on (bench_serving.py --name identity)
+  checks    engine_checks.py on tiny models: sampling exactness (chi-square per position), a
+            swap changes what is proposed, policy reload, capture against a fresh prefill
+  identity  SmolLM2 bf16, batches 1/8/32/64, 64 tokens: no speculation, plain vLLM EAGLE-3 and
+            codraft's engine with the same untrained draft, tap on (bench_serving.py)
   cotrain   `codraft serve` + `codraft learn --server` under load for --cotrain-minutes
             (cotrain.py); the newest published draft -> <work>/cotrain/draft-final
-  bench     bench_serving.py: no speculation / untrained (+ tap overhead, 5 swaps) /
-            co-trained, batches 1/8/32/64, bfloat16
+  scale     bench_scale.py: Llama-8B geometry, set acceptance: no speculation, plain EAGLE-3,
+            codraft tap off, codraft tap on
+  bench     bench_serving.py: no speculation / the co-trained draft in plain vLLM and in
+            codraft's engine, batches 1/8/32/64, bfloat16
 
-Outputs (at most 8 files, flat, so that all of them come back from a device call's $OUT):
-<out>/run.log, summary.json, identity.json, cotrain.json, cotrain.png, bench.json, bench.png,
-logs.tar.gz (every process's log). State that later calls reuse (venv, prepared model, caches,
-the co-trained draft) stays in --work, which the GPU machine keeps between back-to-back calls.
+Outputs, flat (a device call brings back at most 8 files: run the phases over several calls):
+<out>/run.log, summary.json, logs.tar.gz (every process's log) and each phase's report
+(checks.json, identity.json, cotrain.json + .png, scale.json + .png, bench.json + .png). State
+that later calls reuse (venv, prepared model, caches, the co-trained draft) stays in --work,
+which the GPU machine keeps between back-to-back calls.
 
 Time: --budget-s (default 540) bounds the whole command; a phase that cannot finish in what is
 left is skipped (recorded), and the co-training time shrinks to fit (at least 1 minute).
@@ -46,18 +51,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-PHASES = ("install", "env", "prepare", "identity", "cotrain", "bench")
+PHASES = ("install", "env", "prepare", "checks", "identity", "cotrain", "scale", "bench")
 # Expected seconds on the H200 (engine start ~30-40 s each, first Triton JIT included), for the
 # budget check; cotrain adds its minutes.
 EXPECTED_S = {
     "install": 60,
     "env": 30,
     "prepare": 45,
-    "identity": 150,
+    "checks": 180,
+    "identity": 200,
     "cotrain": 150,
+    "scale": 330,
     "bench": 240,
 }
-MIN_S = {"install": 20, "env": 10, "prepare": 20, "identity": 90, "cotrain": 150, "bench": 150}
+MIN_S = {"install": 20, "env": 10, "prepare": 20, "checks": 90, "identity": 90, "cotrain": 150,
+         "scale": 150, "bench": 150}  # fmt: skip
 
 ENV_REPORT = r"""
 import importlib.metadata as md, json, os, platform, sys
@@ -155,11 +163,11 @@ class Run:
 
     def bundle_logs(self) -> None:
         files = sorted(self.logs.glob("*.log"))
-        for sub in ("cotrain", "identity", "bench"):
+        for sub in ("cotrain", "identity", "bench", "scale", "checks"):
             d = self.work / sub
             if d.is_dir():
                 files += sorted(d.glob("*.log")) + sorted(d.glob("*-arms/*.log"))
-                files += sorted(d.glob("*.json"))
+                files += sorted(d.glob("*.json")) + sorted(d.glob("work/*.log"))
         tmp = self.out / "logs.tar.gz.tmp"
         with tarfile.open(tmp, "w:gz") as tar:
             for f in files:
@@ -213,7 +221,6 @@ class Run:
         env = dict(os.environ)
         defaults = {
             "PYTHONUNBUFFERED": "1",
-            "VLLM_USE_V2_MODEL_RUNNER": "0",  # codraft hooks the V1 runner (server.compat)
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
             "HF_HUB_OFFLINE": "1",  # no network there: never wait on the hub
@@ -347,10 +354,46 @@ class Run:
         return status, res
 
     def do_identity(self, left: float) -> tuple[str, dict]:
-        extra = ["--arms", "base,untrained", "--dtype", self.args.identity_dtype]
+        extra = ["--arms", "base,eagle3,codraft", "--dtype", self.args.identity_dtype]
         extra += ["--batches", "1,8,32,64", "--max-tokens", "64", "--swaps", "1"]
-        extra += ["--tap-repeats", "1", *shlex.split(self.args.identity_args)]
+        extra += shlex.split(self.args.identity_args)
         return self._bench("identity", extra, left)
+
+    def do_checks(self, left: float) -> tuple[str, dict]:
+        where = self.work / "checks"
+        cmd = [self.py, str(HERE / "engine_checks.py"), "--out", str(where)]
+        cmd += shlex.split(self.args.checks_args)
+        rc = self.sh("checks", cmd, max(left - 10, 30))
+        res: dict = {"rc": rc}
+        report = where / "checks.json"
+        if report.is_file():
+            shutil.copy(report, self.out / report.name)
+            data = json.loads(report.read_text())
+            res["ok"] = {k: v.get("ok") for k, v in data.items() if isinstance(v, dict)}
+            res["note"] = json.dumps(res["ok"])
+        status = "mismatch" if rc == 1 and report.is_file() else self._status(rc)
+        return status, res
+
+    def do_scale(self, left: float) -> tuple[str, dict]:
+        where = self.work / "scale"
+        tokenizer = self.work / "cache" / "models" / "SmolLM2-135M-Instruct"
+        cmd = [self.py, str(HERE / "bench_scale.py"), "--out", str(where)]
+        if tokenizer.is_dir():
+            cmd += ["--tokenizer", str(tokenizer)]
+        cmd += ["--arm-timeout", str(max(60.0, min(240.0, left / 4)))]
+        cmd += shlex.split(self.args.scale_args)
+        rc = self.sh("scale", cmd, max(left - 10, 30))
+        res: dict = {"rc": rc}
+        for name in ("scale.json", "scale.png"):
+            if (where / name).is_file():
+                shutil.copy(where / name, self.out / name)
+        if (where / "scale.json").is_file():
+            data = json.loads((where / "scale.json").read_text())
+            res["vs_plain"] = data.get("vs_plain")
+            res["speedup"] = data.get("speedup")
+            res["failures"] = data.get("failures")
+            res["note"] = json.dumps(data.get("vs_plain"))
+        return self._status(rc), res
 
     def do_cotrain(self, left: float) -> tuple[str, dict]:
         minutes = self.args.cotrain_minutes
@@ -378,9 +421,9 @@ class Run:
         extra = ["--dtype", self.args.dtype]
         draft = Path(self.args.draft) if self.args.draft else self.work / "cotrain" / "draft-final"
         if (draft / "config.json").is_file():
-            extra += ["--draft", str(draft)]
+            extra += ["--draft", str(draft), "--arms", "base,trained,trained-codraft"]
         else:
-            self.log(f"[bench] no co-trained draft at {draft}: arms base and untrained only")
+            self.log(f"[bench] no co-trained draft at {draft}: the untrained draft's arms")
         return self._bench("bench", extra + shlex.split(self.args.bench_args), left)
 
 
@@ -403,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--identity-args", default="", help="more bench_serving.py flags (identity)")
     p.add_argument("--cotrain-args", default="", help="more cotrain.py flags")
     p.add_argument("--bench-args", default="", help="more bench_serving.py flags (bench)")
+    p.add_argument("--checks-args", default="", help="more engine_checks.py flags")
+    p.add_argument("--scale-args", default="", help="more bench_scale.py flags")
     args = p.parse_args(argv)
     phases = [x for x in args.phases.split(",") if x]
     unknown = [x for x in phases if x not in PHASES]
