@@ -277,8 +277,9 @@ class DraftConfig:
         eagle = hf.get("eagle_config") or {}
         if not eagle.get("use_aux_hidden_state", True):
             raise ValueError("eagle_config.use_aux_hidden_state is false; EAGLE-3 needs taps")
-        nested, top = eagle.get("eagle_aux_hidden_state_layer_ids"), hf.get(
-            "eagle_aux_hidden_state_layer_ids"
+        nested, top = (
+            eagle.get("eagle_aux_hidden_state_layer_ids"),
+            hf.get("eagle_aux_hidden_state_layer_ids"),
         )
         if nested and top and list(nested) != list(top):
             raise ValueError(
