@@ -289,7 +289,8 @@ class RunnerHooks:
         fwd = self._strip_v2() if self.kind == "v2" else self._fwd
         self._fwd = None
         if out is None and fwd is not None:
-            self._pending = self._guard(self._record, scheduler_output, fwd, context)
+            with torch.inference_mode():
+                self._pending = self._guard(self._record, scheduler_output, fwd, context)
         else:  # no forward this step: the listener still learns about finished requests
             self._guard(listener.on_step, StepRecord(next(self._seq), [], context), None)
         self.times.record_ns += time.perf_counter_ns() - t0
