@@ -343,10 +343,12 @@ class Run:
         report = where / f"{name}.json"
         if report.is_file():
             data = json.loads(report.read_text())
-            res["identity"] = {
-                arm: [f"{r['run']} b{r['batch']}: {r['identical']}/{r['requests']}" for r in rows]
-                for arm, rows in data.get("identity", {}).items()
-            }
+            res["identity"] = {}
+            for key, ref in (("identity", "base"), ("identity_twin", "its plain twin")):
+                for arm, rows in data.get(key, {}).items():
+                    res["identity"][f"{arm} vs {ref}"] = [
+                        f"b{r['batch']}: {r['identical']}/{r['requests']}" for r in rows
+                    ]
             res["failures"] = data.get("failures")
             res["note"] = json.dumps(res["identity"])
         # exit 1 with a report = outputs differ (recorded), not a crash
