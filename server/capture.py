@@ -18,12 +18,13 @@ Two halves, so that the engine step never waits for the device nor builds a mess
   step are final, the draft version each finished request ends with. A request is finished when
   the stop rule says so - in the step that ends it - or when the scheduler lists it in
   `finished_req_ids` (aborts, stop strings).
-* **Assembly** (`Assembler`, a thread of its own): waits until a step's rows are on the host
-  (server.row_copy), keeps each request's final rows keyed by position (a preempted and
-  recomputed request overwrites its rows), cuts long requests into chunks of `max_tokens` rows
-  while they run (ids "<request id>#<i>", i = 0, 1, ...; each chunk's prompt_len counts the
-  prompt tokens inside it), checks every message's token ids against the request's sequence and
-  hands the message to the publisher. Loss mask: 0 on prompt tokens, 1 on generated ones.
+* **Assembly** (`Assembler`, a thread of its own): copies a step's rows to the host
+  (server.row_copy: the only wait for the device, in this thread), keeps each request's final
+  rows keyed by position (a preempted and recomputed request overwrites its rows), cuts long
+  requests into chunks of `max_tokens` rows while they run (ids "<request id>#<i>", i = 0, 1,
+  ...; each chunk's prompt_len counts the prompt tokens inside it), checks every message's
+  token ids against the request's sequence and hands the message to the publisher. Loss mask:
+  0 on prompt tokens, 1 on generated ones.
 
 In "full" mode a request whose first rows were never computed here (a prefix-cache hit) or whose
 policy changed mid-request is not sent and is counted as incomplete: run the engine without
@@ -41,9 +42,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from codraft.tap.message import TapMessage
+from server import hooks
 from server.hooks import StepRecord
 from server.row_copy import StagedRows
 
@@ -58,19 +61,7 @@ def stop_after(
 ) -> int | None:
     """How many of `new_tokens` the scheduler keeps when one of them ends the request (else
     None): vLLM's check_stop per token, in its order (min_tokens, EOS, stop token ids, length)."""
-    eos = getattr(sp, "eos_token_id", None)
-    stops = set(getattr(sp, "stop_token_ids", None) or ())
-    max_tokens = getattr(sp, "max_tokens", None)
-    min_tokens = getattr(sp, "min_tokens", 0) or 0
-    for i, tok in enumerate(new_tokens):
-        n = n_out + i + 1
-        if n < min_tokens:
-            continue
-        if (eos is not None and tok == eos) or tok in stops:
-            return i + 1
-        if prompt_len + n >= max_model_len or (max_tokens is not None and n >= max_tokens):
-            return i + 1
-    return None
+    return StopRule.of(sp, prompt_len, max_model_len).keep(new_tokens, n_out)
 
 
 # ---------------------------------------------------------------------------- requests
@@ -95,12 +86,49 @@ class StepContext:
 
 
 @dataclass
+class StopRule:
+    """vLLM's check_stop for one request, read once from its sampling parameters."""
+
+    stop_ids: frozenset[int]  # EOS and stop token ids
+    min_tokens: int
+    limit: int  # outputs at which the length rule ends it (max_tokens or max_model_len)
+
+    @classmethod
+    def of(cls, sp: Any, prompt_len: int, max_model_len: int) -> StopRule:
+        eos = getattr(sp, "eos_token_id", None)
+        stops = set(getattr(sp, "stop_token_ids", None) or ())
+        if eos is not None:
+            stops.add(eos)
+        max_tokens = getattr(sp, "max_tokens", None)
+        limit = max_model_len - prompt_len
+        if max_tokens is not None:
+            limit = min(limit, max_tokens)
+        return cls(frozenset(stops), getattr(sp, "min_tokens", 0) or 0, limit)
+
+    def keep(self, new_tokens: list[int], n_out: int) -> int | None:
+        """How many of `new_tokens` the scheduler keeps when one of them ends the request."""
+        n = len(new_tokens)
+        if n_out + n < self.limit and not (
+            self.stop_ids and not self.stop_ids.isdisjoint(new_tokens)
+        ):
+            return None  # the common case: nothing here ends it
+        for i, tok in enumerate(new_tokens):
+            count = n_out + i + 1
+            if count < self.min_tokens:
+                continue
+            if tok in self.stop_ids or count >= self.limit:
+                return i + 1
+        return None
+
+
+@dataclass
 class ReqState:
     req_id: str
     prompt_ids: list[int]
     sampling_params: Any
     policy_version: int
     mode: str | None
+    stop: StopRule
     outputs: list[int] = field(default_factory=list)
     done: bool = False
 
@@ -136,18 +164,19 @@ class TapTarget:
 @dataclass
 class TapBuffer:
     """Captured rows of one request: positions base .. base+length-1 (rows before `base` went
-    out in earlier chunks). Lives in the assembler thread."""
+    out in earlier chunks). Lives in the assembler thread. Rows are numpy views of each step's
+    copy (`feats`: [n, T + 1, H], the wire dtype's bits as an integer type: slicing numpy views
+    costs a fraction of slicing tensors, which matters once per request per step)."""
 
     state: ReqState
     base: int = 0
     length: int = 0
-    ids: list[torch.Tensor] = field(default_factory=list)
-    taps: list[torch.Tensor] = field(default_factory=list)
-    last: list[torch.Tensor] = field(default_factory=list)
+    ids: list[np.ndarray] = field(default_factory=list)
+    feats: list[np.ndarray] = field(default_factory=list)
     chunks_sent: int = 0
     broken: str | None = None  # why it cannot be sent
 
-    def put(self, position: int, ids: torch.Tensor, taps: torch.Tensor, last: torch.Tensor) -> None:
+    def put(self, position: int, ids: np.ndarray, feats: np.ndarray) -> None:
         """Rows for positions position .. position+len(ids)-1."""
         n = ids.shape[0]
         end = self.base + self.length
@@ -163,27 +192,25 @@ class TapBuffer:
         if position + skip < end:  # recomputed rows (preemption): keep the new ones
             self.truncate(position + skip - self.base)
         self.ids.append(ids[skip:])
-        self.taps.append(taps[skip:])
-        self.last.append(last[skip:])
+        self.feats.append(feats[skip:])
         self.length += n - skip
 
     def truncate(self, n: int) -> None:
         """Keep the first n buffered rows."""
         if n >= self.length:
             return
-        self.ids = [torch.cat(self.ids)[:n]] if n else []
-        self.taps = [torch.cat(self.taps)[:n]] if n else []
-        self.last = [torch.cat(self.last)[:n]] if n else []
+        self.ids = [np.concatenate(self.ids)[:n]] if n else []
+        self.feats = [np.concatenate(self.feats)[:n]] if n else []
         self.length = n
 
-    def take(self, n: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Remove and return the first n rows as (position, ids, taps, last)."""
-        ids, taps, last = torch.cat(self.ids), torch.cat(self.taps), torch.cat(self.last)
+    def take(self, n: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """Remove and return the first n rows as (position, ids, feats)."""
+        ids, feats = np.concatenate(self.ids), np.concatenate(self.feats)
         pos = self.base
-        self.ids, self.taps, self.last = [ids[n:]], [taps[n:]], [last[n:]]
+        self.ids, self.feats = [ids[n:]], [feats[n:]]
         self.base += n
         self.length -= n
-        return pos, ids[:n], taps[:n], last[:n]
+        return pos, ids[:n], feats[:n]
 
 
 @dataclass
@@ -289,32 +316,34 @@ class Assembler:
             self.buffers.clear()
 
     def _rows(self, op: _Rows) -> None:
-        op.rows.wait()
-        index = torch.cat([torch.arange(off, off + n) for _, off, n in op.items])
-        ids = op.rows.ids.index_select(0, index)  # one copy out of the pinned buffers
-        pos = op.rows.positions.index_select(0, index).tolist()
-        feats = op.rows.feats.index_select(0, index)
-        T = len(self.target.tap_layers)
-        taps, last = feats[:, :T].flatten(1), feats[:, T]
-        at = 0
-        for state, _, n in op.items:
-            first = pos[at]
-            if pos[at + n - 1] != first + n - 1:
+        op.rows.to_host()
+        offsets = np.fromiter((off for _, off, _ in op.items), np.int64, len(op.items))
+        counts = np.fromiter((n for _, _, n in op.items), np.int64, len(op.items))
+        starts = np.cumsum(counts) - counts  # where each request's rows begin in the result
+        index = np.arange(int(counts.sum())) + np.repeat(offsets - starts, counts)
+        positions = op.rows.positions.numpy()[index]
+        first, last_pos = positions[starts], positions[starts + counts - 1]
+        consecutive = (last_pos - first == counts - 1).tolist()
+        ids = op.rows.ids.numpy()[index]  # one copy of the step's final rows
+        feats = _bits(op.rows.feats)[index]
+        for (state, _, n), a, p, ok in zip(
+            op.items, starts.tolist(), first.tolist(), consecutive, strict=True
+        ):
+            buf = self._buffer(state)
+            if not ok:
                 log.error("codraft capture: %s's rows are not consecutive positions", state.req_id)
-                self._buffer(state).broken = "non-consecutive positions in one step"
-            else:
-                buf = self._buffer(state)
-                buf.put(first, ids[at : at + n], taps[at : at + n], last[at : at + n])
-                if not state.done:
-                    self._send_chunks(buf)
-            at += n
+                buf.broken = "non-consecutive positions in one step"
+                continue
+            buf.put(p, ids[a : a + n], feats[a : a + n])
+            if not state.done and buf.length >= self.max_tokens:
+                self._send_chunks(buf)
 
     def _send_chunks(self, buf: TapBuffer) -> None:
         if buf.broken:
             return
         while buf.length >= self.max_tokens:
-            pos, ids, taps, last = buf.take(self.max_tokens)
-            self._emit(buf.state, pos, ids, taps, last, buf.chunks_sent)
+            pos, ids, feats = buf.take(self.max_tokens)
+            self._emit(buf.state, pos, ids, feats, buf.chunks_sent)
             buf.chunks_sent += 1
 
     def _finish(self, op: _Finish) -> None:
@@ -335,9 +364,9 @@ class Assembler:
         while buf.length > 0:
             pieces.append(buf.take(min(self.max_tokens, buf.length)))
         chunked = buf.chunks_sent > 0 or len(pieces) > 1
-        for pos, ids, taps, last in pieces:
+        for pos, ids, feats in pieces:
             chunk = buf.chunks_sent if chunked else None
-            self._emit(state, pos, ids, taps, last, chunk)
+            self._emit(state, pos, ids, feats, chunk)
             buf.chunks_sent += 1
         self.stats.requests_captured += 1
 
@@ -345,23 +374,21 @@ class Assembler:
         seq = state.prompt_ids + state.outputs
         pieces = range(0, len(seq), self.max_tokens)
         for i, pos in enumerate(pieces):
-            ids = torch.tensor(seq[pos : pos + self.max_tokens], dtype=torch.int32)
+            ids = np.asarray(seq[pos : pos + self.max_tokens], dtype=np.int32)
             chunk = i if len(pieces) > 1 else None
-            self._emit(state, pos, ids, None, None, chunk, policy_version)
+            self._emit(state, pos, ids, None, chunk, policy_version)
 
     def _emit(
         self,
         state: ReqState,
         pos: int,
-        ids: torch.Tensor,
-        taps: torch.Tensor | None,
-        last: torch.Tensor | None,
+        ids: np.ndarray,
+        feats: np.ndarray | None,
         chunk: int | None,
         policy_version: int | None = None,
     ) -> None:
         n = ids.shape[0]
-        want = torch.tensor(state.tokens(pos, n), dtype=torch.int32)
-        if not torch.equal(ids, want):
+        if not np.array_equal(ids, state.tokens(pos, n)):
             self.stats.requests_inconsistent += 1
             log.error(
                 "tap capture of %s: token ids of rows %d..%d disagree with the sequence; not sent",
@@ -370,12 +397,17 @@ class Assembler:
                 pos + n - 1,
             )
             return
+        taps = last = None
+        if feats is not None:
+            x = torch.from_numpy(np.ascontiguousarray(feats)).view(self.target.dtype)
+            T = len(self.target.tap_layers)
+            taps, last = x[:, :T].reshape(n, -1), x[:, T].contiguous()
         prompt_len = min(max(len(state.prompt_ids) - pos, 0), n)
         t = self.target
         msg = TapMessage.build(
-            ids,
-            taps=taps.contiguous() if taps is not None else None,
-            last_hidden=last.contiguous() if last is not None else None,
+            torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int32)),
+            taps=taps,
+            last_hidden=last,
             tap_layers=t.tap_layers,
             prompt_len=prompt_len,
             hidden_size=t.hidden_size,
@@ -497,19 +529,23 @@ class Capture:
                     self._finish(st)
             for new in ctx.new:
                 if new.req_id not in self.states:  # a resumed request keeps its state
+                    rule = StopRule.of(
+                        new.sampling_params, len(new.prompt_ids), self.target.max_model_len
+                    )
                     self.states[new.req_id] = ReqState(
                         new.req_id, new.prompt_ids, new.sampling_params, ctx.policy_version,
-                        new.mode,
+                        new.mode, rule,
                     )  # fmt: skip
         if sampled is None:
             return
         rows: list[tuple[ReqState, int, int]] = []
         ended: list[ReqState] = []
+        states = self.states
         for i, (s, toks) in enumerate(zip(record.slices, sampled, strict=True)):
-            st = self.states.get(s.req_id)
+            st = states.get(s.req_id)
             if st is None or st.done:
                 continue
-            n_final = s.final_rows(toks)
+            n_final = hooks.final_rows(s, toks)
             if st.mode == "full" and n_final > 0:
                 offset = record.row_offsets.get(i)
                 if offset is None or record.rows is None:
@@ -519,10 +555,7 @@ class Capture:
                 else:
                     rows.append((st, offset, n_final))
             if toks:
-                keep = stop_after(
-                    toks, len(st.outputs), len(st.prompt_ids), st.sampling_params,
-                    self.target.max_model_len,
-                )  # fmt: skip
+                keep = st.stop.keep(toks, len(st.outputs))
                 st.outputs.extend(toks if keep is None else toks[:keep])
                 if keep is not None:
                     st.done = True
@@ -539,6 +572,14 @@ class Capture:
                 self.assembler.put(_Finish(st, self._policy))
         finally:
             self.on_finished(st.req_id)
+
+
+_BITS = {2: torch.int16, 4: torch.int32}
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's elements as a numpy array of same-width integers (numpy has no bf16)."""
+    return t.view(_BITS[t.element_size()]).numpy()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -81,14 +81,7 @@ class Hook:
 _V1 = "vllm.v1.worker.gpu_model_runner"
 _V2 = "vllm.v1.worker.gpu.model_runner"
 HOOKED: tuple[Hook, ...] = (  # every supported release; hooks_for() adds the draft reload's
-    Hook(
-        "vllm.v1.worker.worker_base",
-        "WorkerBase.__init__",
-        ("vllm_config",),
-        "the worker assigns self.model_runner before loading (server.worker_ext._RunnerSlot)",
-    ),
     # --- the V1 model runner (CPU builds; CUDA with VLLM_USE_V2_MODEL_RUNNER=0)
-    Hook(_V1, "GPUModelRunner.load_model", (), "wrapped per instance: configure after loading"),
     Hook(
         _V1,
         "GPUModelRunner.execute_model",
@@ -105,7 +98,7 @@ HOOKED: tuple[Hook, ...] = (  # every supported release; hooks_for() adds the dr
         _V1,
         "GPUModelRunner._model_forward",
         ("input_ids", "positions", "intermediate_tensors", "inputs_embeds"),
-        "wrapped per runner instance: the forward's inputs, taps and last hidden state",
+        "wrapped per runner instance: the forward's inputs, taps and final hidden state",
     ),
     Hook(
         _V1,
@@ -120,12 +113,11 @@ HOOKED: tuple[Hook, ...] = (  # every supported release; hooks_for() adds the dr
         "wrapped per runner instance: close the tap publisher with the engine",
     ),
     # --- the V2 model runner (what vLLM picks for dense models on CUDA)
-    Hook(_V2, "GPUModelRunner.load_model", (), "wrapped per instance: configure after loading"),
     Hook(
         _V2,
         "GPUModelRunner.execute_model",
         ("scheduler_output", "intermediate_tensors", "dummy_run"),
-        "wrapped per runner instance: the last layer off execute_model_state, step layout",
+        "wrapped per runner instance: step layout, new and finished requests",
     ),
     Hook(
         _V2,
@@ -137,8 +129,8 @@ HOOKED: tuple[Hook, ...] = (  # every supported release; hooks_for() adds the dr
     Hook(
         _V2,
         "ExecuteModelState",
-        ("input_batch", "aux_hidden_states"),
-        "the forward's aux outputs, which the drafter reads in sample_tokens",
+        ("input_batch", "hidden_states", "aux_hidden_states"),
+        "the forward's outputs: final hidden state (after the norm) and the taps",
     ),
     Hook(
         "vllm.v1.worker.gpu.input_batch",
@@ -147,12 +139,6 @@ HOOKED: tuple[Hook, ...] = (  # every supported release; hooks_for() adds the dr
         "which rows of the flat batch belong to which request",
     ),
     # --- both
-    Hook(
-        "vllm.model_executor.models.interfaces",
-        "EagleModelMixin._set_aux_hidden_state_layers",
-        ("layers",),
-        "one more aux layer (the last) yields the pre-norm last hidden state",
-    ),
     Hook(
         "vllm.model_executor.models.interfaces",
         "EagleModelMixin._maybe_add_hidden_state",

@@ -32,6 +32,9 @@ class EngineConfig:
     tap_queue_size: int = 256  # messages waiting for the publisher thread
     tap_hwm: int = 64  # ZeroMQ send high-water mark (messages)
     tap_linger_ms: int = 1000  # how long close() may spend flushing
+    # device memory for gathered rows the capture thread has not copied off yet (MiB); past it
+    # a step's rows are skipped and counted (steps_skipped)
+    tap_device_mb: int = 2048
     # --- automatic rollback of a new draft whose acceptance collapses
     auto_rollback: bool = True
     rollback_window: int = 64  # verifications (one request's drafts checked in one step)
@@ -51,6 +54,7 @@ class EngineConfig:
             "tap_max_tokens",
             "tap_queue_size",
             "tap_hwm",
+            "tap_device_mb",
             "rollback_window",
             "request_versions_max",
         )

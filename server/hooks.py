@@ -3,25 +3,21 @@
 vLLM has two GPU model runners, and codraft hooks both (the same methods on their CPU
 subclasses): the V1 runner (`vllm.v1.worker.gpu_model_runner`) and the V2 runner
 (`vllm.v1.worker.gpu.model_runner`, what vLLM 0.26 picks for dense models on CUDA). Hooks are per
-runner *instance*; vLLM's files and classes are untouched; the internals they read are listed
-and checked in server.compat.
+runner *instance*, installed by the first codraft RPC; vLLM's files and classes are untouched;
+the internals they read are listed and checked in server.compat.
 
-Two things happen at two times:
+What the forward already returns is all codraft needs, so the served model is exactly the one
+plain vLLM serves (the same compiled graph, the same CUDA graphs): EAGLE-3 makes the target
+return the aux hidden states of the draft's tap layers (aux layer k = residual stream after k
+layers = codraft tap k), and the forward's `hidden_states` is the final hidden state after the
+final norm (the tap's `last_hidden`, what lm_head reads).
 
-* **At model load** (`RunnerHooks.configure`, called by the worker extension right after the
-  runner's `load_model`, before vLLM compiles the model, profiles it or captures CUDA graphs):
-  EAGLE-3 already makes the target return the aux hidden states of the draft's tap layers (aux
-  layer k = residual stream after k layers = codraft tap k). The pre-norm last hidden state is
-  taken through the same mechanism: layer L (the number of layers) is added to the model's aux
-  layers, so every compiled or replayed forward returns it, and the wrappers installed here
-  take that extra entry off before anything of vLLM's sees the list (V1: `_model_forward`'s
-  result; V2: `execute_model_state`, which the drafter, the dummy runs and graph capture read).
-  The drafter receives exactly its own aux states.
-* **While serving** (once a listener is attached): `execute_model` tells the listener about the
-  step before it runs (new requests, finished ones), then builds a `StepRecord` (which rows of
-  the flat batch belong to which request, how many are draft proposals) and has the rows the
-  listener wants gathered and copied off the device (server.row_copy: no host-device sync);
-  `sample_tokens` hands the record and each request's sampled tokens (accepted drafts + the
+* `execute_model` tells the listener about the step before it runs (new requests, finished
+  ones), then builds a `StepRecord` (which rows of the flat batch belong to which request, how
+  many are draft proposals) from the forward's inputs and outputs (V1: seen by the wrapped
+  `_model_forward`; V2: the runner's `execute_model_state`) and has the rows the listener wants
+  gathered on the device (server.row_copy: no host-device sync in the step).
+* `sample_tokens` hands the record and each request's sampled tokens (accepted drafts + the
   bonus token) to the listener once they exist: at once, or, with async scheduling, when the
   engine materialises the step's output (`get_output`), one step later.
 
@@ -56,11 +52,18 @@ class ReqSlice:
     num_drafts: int  # of which draft proposals (the last ones)
 
     def accepted(self, sampled: list[int]) -> int:
-        return min(max(len(sampled) - 1, 0), self.num_drafts) if self.num_drafts else 0
+        return min(max(len(sampled) - 1, 0), self.num_drafts)
 
     def final_rows(self, sampled: list[int]) -> int:
-        """How many leading rows are final once the step sampled `sampled` for this request."""
-        return self.num_tokens - self.num_drafts + self.accepted(sampled)
+        return final_rows(self, sampled)
+
+
+def final_rows(s: ReqSlice, sampled: list[int]) -> int:
+    """How many leading rows of `s` are final once the step sampled `sampled` for it: the
+    scheduled rows minus the rejected proposals (a function, not a method: it runs for every
+    request of every step)."""
+    drafts = s.num_drafts
+    return s.num_tokens - drafts + min(max(len(sampled) - 1, 0), drafts)
 
 
 @dataclass
@@ -180,14 +183,19 @@ def _aux_holder(model: Any) -> Any:
 class RunnerHooks:
     """The wrapped methods of one runner instance (see module doc)."""
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(
+        self,
+        runner: Any,
+        tap_layers: tuple[int, ...],
+        listener: StepListener,
+        wire_dtype: torch.dtype,
+        max_device_bytes: int,
+    ) -> None:
         self.runner = runner
         self.kind = runner_kind(runner)
-        self.num_layers = int(runner.model_config.hf_config.num_hidden_layers)
-        self.tap_layers: tuple[int, ...] = ()
-        self.extra_last = False
-        self.listener: StepListener | None = None
-        self.copier: RowCopier | None = None
+        self.tap_layers = tuple(tap_layers)
+        self.listener = listener
+        self.copier = RowCopier(runner.device, wire_dtype, max_device_bytes)
         self.errors = 0
         self.times = HookTimes()
         self._orig: dict[str, Callable] = {}
@@ -196,22 +204,18 @@ class RunnerHooks:
         self._fwd: tuple | None = None
         self._pending: StepRecord | None = None
 
-    # ------------------------------------------------------------------ load time
-    def configure(self) -> None:
-        """Right after the model is loaded: add layer L to the target's aux layers and wrap the
-        runner so that vLLM's own code never sees it. Must run before the first forward (vLLM
-        compiles and captures graphs on the forwards of its start-up)."""
+    # ------------------------------------------------------------------ install
+    def install(self) -> None:
         holder = _aux_holder(target_model(self.runner))
         # vLLM 0.32 stores the aux layers sorted, 0.26 as given; both return them in layer order.
-        taps = tuple(sorted(int(t) for t in holder.aux_hidden_state_layers))
-        if not taps:
-            raise RuntimeError("the target collects no aux hidden states: is EAGLE-3 on?")
-        if len(set(taps)) != len(taps):
-            raise RuntimeError(f"the draft's tap layers repeat a layer: {list(taps)}")
-        self.tap_layers = taps
-        self.extra_last = self.num_layers not in taps
-        if self.extra_last:
-            target_model(self.runner).set_aux_hidden_state_layers(taps + (self.num_layers,))
+        have = tuple(sorted(int(t) for t in holder.aux_hidden_state_layers))
+        if have != tuple(sorted(self.tap_layers)):
+            raise RuntimeError(
+                f"the target collects aux hidden states of layers {list(have)}, but the draft's "
+                f"tap layers are {list(self.tap_layers)}; codraft needs them equal"
+            )
+        if list(self.tap_layers) != sorted(set(self.tap_layers)):
+            raise RuntimeError(f"tap layers must be increasing, got {list(self.tap_layers)}")
         names = ("_model_forward",) if self.kind == "v1" else ()
         for name in (*names, "execute_model", "sample_tokens"):
             self._orig[name] = getattr(self.runner, name)
@@ -220,64 +224,34 @@ class RunnerHooks:
         self.runner.execute_model = self._execute_model
         self.runner.sample_tokens = self._sample_tokens
 
-    def attach(self, listener: StepListener, wire_dtype: torch.dtype) -> None:
-        self.copier = RowCopier(self.runner.device, wire_dtype)
-        self.listener = listener
+    def uninstall(self) -> None:
+        for name in self._orig:
+            self.runner.__dict__.pop(name, None)  # back to the class's method
+        self._orig.clear()
 
-    def detach(self) -> None:
-        self.listener = None
-
-    # ------------------------------------------------------------------ aux outputs
-    def _split(self, aux: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """(the drafter's aux states, the last hidden state) from the model's aux outputs."""
-        aux = list(aux)
-        expected = len(self.tap_layers) + int(self.extra_last)
-        if len(aux) != expected:
-            raise RuntimeError(
-                f"the target returned {len(aux)} aux hidden states, codraft configured "
-                f"{expected} (taps {list(self.tap_layers)} + the last layer): the model was "
-                "compiled or captured without codraft's configuration (a stale vLLM compile "
-                "cache?); clear it or start the engine through codraft"
-            )
-        if self.extra_last:
-            return aux[:-1], aux[-1]
-        return aux, aux[self.tap_layers.index(self.num_layers)]
-
+    # ------------------------------------------------------------------ forward outputs
     def _model_forward_v1(self, *args: Any, **kwargs: Any) -> Any:
         out = self._orig["_model_forward"](*args, **kwargs)
-        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], list | tuple)):
-            return out  # not an EAGLE-3 forward with aux outputs (e.g. a PP stage)
-        hidden, aux = out
-        taps, last = self._split(aux)
-        if self._in_step:
+        if self._in_step and isinstance(out, tuple) and len(out) == 2:
             # views of buffers the next step overwrites: gathered before it (_record)
             input_ids = kwargs.get("input_ids", args[0] if args else None)
             positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
-            self._fwd = (input_ids, positions, taps, last)
-        return hidden, taps
+            self._fwd = (input_ids, positions, out[0], out[1])
+        return out
 
-    def _strip_v2(self) -> tuple | None:
-        """Take the last layer off the V2 runner's execute_model_state; return the forward's
-        (input_ids, positions, taps, last) for the record."""
+    def _forward_v2(self) -> tuple | None:
+        """The V2 runner's forward of this step: (input_ids, positions, hidden, aux)."""
         st = getattr(self.runner, "execute_model_state", None)
-        if st is None or st.aux_hidden_states is None:
+        if st is None or st.aux_hidden_states is None or st.hidden_states is None:
             return None
-        taps, last = self._split(st.aux_hidden_states)
-        self.runner.execute_model_state = st._replace(aux_hidden_states=taps)
         batch = st.input_batch
-        return (batch.input_ids, batch.positions, taps, last)
+        return (batch.input_ids, batch.positions, st.hidden_states, st.aux_hidden_states)
 
     # ------------------------------------------------------------------ wrappers
     def _execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.kind == "v2" and _is_dummy_run(args, kwargs):
+            return self._orig["execute_model"](scheduler_output, *args, **kwargs)
         listener = self.listener
-        dummy = self.kind == "v2" and bool(
-            kwargs.get("dummy_run", args[1] if len(args) > 1 else False)
-        )
-        if listener is None or dummy:
-            out = self._orig["execute_model"](scheduler_output, *args, **kwargs)
-            if self.kind == "v2":
-                self._strip_v2()
-            return out
         context = self._guard(listener.before_step, scheduler_output)
         self._fwd, self._pending = None, None
         self._in_step = True
@@ -286,7 +260,7 @@ class RunnerHooks:
         finally:
             self._in_step = False
         t0 = time.perf_counter_ns()
-        fwd = self._strip_v2() if self.kind == "v2" else self._fwd
+        fwd = self._forward_v2() if self.kind == "v2" else self._fwd
         self._fwd = None
         if out is None and fwd is not None:
             with torch.inference_mode():
@@ -300,8 +274,6 @@ class RunnerHooks:
         record, self._pending = self._pending, None
         out = self._orig["sample_tokens"](*args, **kwargs)
         listener = self.listener
-        if listener is None:
-            return out
         self._guard(listener.after_sample)
         if record is None:
             return out
@@ -357,18 +329,19 @@ class RunnerHooks:
         ]
 
     def _record(self, scheduler_output: Any, fwd: tuple, context: Any) -> StepRecord:
-        input_ids, positions, taps, last = fwd
+        input_ids, positions, hidden, taps = fwd
         record = StepRecord(next(self._seq), self._layout(scheduler_output), context)
         wanted = self.listener.rows_wanted(record.slices) if input_ids is not None else []
-        if wanted and self.copier is not None:
+        if wanted:
             ranges, offset = [], 0
             for i in wanted:
                 s = record.slices[i]
                 record.row_offsets[i] = offset
                 ranges.append((s.start, s.start + s.num_tokens))
                 offset += s.num_tokens
-            merged = _merge(ranges)
-            record.rows = self.copier.copy(input_ids, positions, [*taps, last], merged)
+            record.rows = self.copier.copy(input_ids, positions, [*taps, hidden], _merge(ranges))
+            if record.rows is None:
+                record.row_offsets.clear()
         return record
 
     def _deliver(self, listener: StepListener, record: StepRecord, output: Any) -> None:

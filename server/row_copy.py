@@ -1,20 +1,25 @@
-"""A step's captured rows copied off the device without the engine step waiting for them.
+"""A step's captured rows taken off the device without the engine step waiting for them.
 
 The target's forward leaves its outputs in buffers that the next step overwrites: under CUDA
 graphs they are the graphs' static output buffers, and `input_ids`/`positions` are views of the
 runner's persistent input buffers. So the rows codraft keeps are gathered at once, on the
-engine's own stream, into fresh device tensors (one `stack` of the tap layers and the last
-hidden state, cast to the wire dtype, plus the ids and positions); a side stream then waits for
-that gather and copies the result into pinned host memory (`non_blocking`), and records an
-event. Nothing here synchronises with the device: `StagedRows.wait()`, called by the capture
-thread, is the only wait, and it is off the engine step.
+engine's own stream, into fresh device tensors (one `stack` of the tap layers and the final
+hidden state, cast to the wire dtype, plus the ids and positions), and an event is recorded
+after the gather. That is all the engine step does: no host memory, no copy to the host, no
+wait. The capture thread (server.capture) calls `StagedRows.to_host()`, which copies on a side
+stream of its own that waits for the event; only that thread waits.
 
-On the CPU the gather is the copy, and the rows are ready at once.
+Device memory held by gathered rows that the capture thread has not taken yet is bounded
+(`RowCopier.max_bytes`): past it a step's rows are not gathered, and the step is counted
+(`steps_skipped`); its requests are then sent incomplete, never wrong. On the CPU the gather is
+the copy, and the rows are on the host at once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,24 +29,32 @@ import torch
 @dataclass
 class StagedRows:
     """One step's gathered rows: `ids` [M] int32, `positions` [M] int64, `feats` [M, T + 1, H]
-    in the wire dtype (T tap layers, then the last hidden state). Host tensors; read them only
-    after `wait()`."""
+    in the wire dtype (T tap layers, then the final hidden state). On the device until
+    `to_host()` (capture thread) has run."""
 
     ids: torch.Tensor
     positions: torch.Tensor
     feats: torch.Tensor
-    done: Any = None  # a CUDA event recorded after the copies, or None (ready)
-    keep: tuple = ()  # device tensors that must outlive the copies
+    ready: Any = None  # a CUDA event recorded after the gather, or None (on the host already)
+    stream: Any = None  # the side stream the host copy runs on
+    _release: Any = field(default=None, repr=False)
 
     @property
     def num_rows(self) -> int:
         return int(self.ids.shape[0])
 
-    def wait(self) -> None:
-        if self.done is not None:
-            self.done.synchronize()
-            self.done = None
-        self.keep = ()
+    def to_host(self) -> None:
+        """Copy the rows to host memory (blocks the calling thread, never the engine's)."""
+        if self.ready is None:
+            return
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(self.ready)
+            self.ids, self.positions, self.feats = (
+                t.to("cpu") for t in (self.ids, self.positions, self.feats)
+            )
+        self.ready = None
+        if self._release is not None:
+            self._release()
 
 
 def row_index(ranges: list[tuple[int, int]]) -> np.ndarray:
@@ -50,13 +63,17 @@ def row_index(ranges: list[tuple[int, int]]) -> np.ndarray:
 
 
 class RowCopier:
-    """Gathers rows on the engine's stream, copies them to pinned host memory on a side one."""
+    """Gathers rows on the engine's stream; the capture thread copies them to the host."""
 
-    def __init__(self, device: torch.device, wire_dtype: torch.dtype) -> None:
+    def __init__(self, device: torch.device, wire_dtype: torch.dtype, max_bytes: int) -> None:
         self.device = torch.device(device)
         self.wire_dtype = wire_dtype
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.max_bytes = max_bytes
+        self.held_bytes = 0  # gathered on the device, not yet on the host
+        self.steps_skipped = 0
+        self._lock = threading.Lock()
 
     def copy(
         self,
@@ -64,9 +81,19 @@ class RowCopier:
         positions: torch.Tensor,
         layers: list[torch.Tensor],
         ranges: list[tuple[int, int]],
-    ) -> StagedRows:
+    ) -> StagedRows | None:
         """Rows `ranges` ([start, end) into the flat batch) of the ids, the positions and each
-        of `layers` ([N, H] each), stacked as [M, len(layers), H]."""
+        of `layers` ([N, H] each), stacked as [M, len(layers), H]; None when the rows would
+        exceed the device memory bound."""
+        rows = sum(e - s for s, e in ranges)
+        width = sum(t.shape[-1] for t in layers)
+        nbytes = rows * (width * self.wire_dtype.itemsize + 12)
+        if self.cuda:
+            with self._lock:
+                if self.held_bytes + nbytes > self.max_bytes:
+                    self.steps_skipped += 1
+                    return None
+                self.held_bytes += nbytes
         if len(ranges) == 1:
             s, e = ranges[0]
             ids, pos = input_ids[s:e], positions[s:e]
@@ -84,17 +111,13 @@ class RowCopier:
         pos = pos.to(torch.int64, copy=True)
         if not self.cuda:
             return StagedRows(ids, pos, feats)
-        main = torch.cuda.current_stream(self.device)
-        gathered = torch.cuda.Event()
-        gathered.record(main)
-        h_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-        h_pos = torch.empty(pos.shape, dtype=pos.dtype, pin_memory=True)
-        h_feats = torch.empty(feats.shape, dtype=feats.dtype, pin_memory=True)
-        done = torch.cuda.Event(blocking=True)  # the waiting thread sleeps, never spins
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(gathered)
-            h_feats.copy_(feats, non_blocking=True)
-            h_ids.copy_(ids, non_blocking=True)
-            h_pos.copy_(pos, non_blocking=True)
-            done.record(self.stream)
-        return StagedRows(h_ids, h_pos, h_feats, done, keep=(feats, ids, pos))
+        ready = torch.cuda.Event(blocking=True)  # the waiting thread sleeps, never spins
+        ready.record(torch.cuda.current_stream(self.device))
+        staged = StagedRows(ids, pos, feats, ready, self.stream)
+        # the bound is given back once the rows are on the host, or when they are dropped
+        staged._release = weakref.finalize(staged, self._give_back, nbytes)
+        return staged
+
+    def _give_back(self, nbytes: int) -> None:
+        with self._lock:
+            self.held_bytes -= nbytes

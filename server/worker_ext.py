@@ -126,8 +126,7 @@ def request_aliases(req_id: str) -> set[str]:
 
 
 class CodraftEngine(StepListener):
-    """Everything codraft keeps inside one worker (created on the first codraft RPC; the hooks
-    it attaches to were configured when the model was loaded)."""
+    """Everything codraft keeps inside one worker (created on the first codraft RPC)."""
 
     def __init__(self, worker: Any) -> None:
         self.vllm_version = require_supported()
@@ -136,15 +135,6 @@ class CodraftEngine(StepListener):
         self.vllm_config = worker.vllm_config
         self.cfg = EngineConfig.from_vllm_config(self.vllm_config)
         self._check_engine()
-        hooks: RunnerHooks | None = worker.__dict__.get(HOOKS_KEY)
-        if hooks is None:
-            raise SwapError(
-                503,
-                "codraft's hooks were not configured when the model was loaded: the worker "
-                "extension must be configured from the start (worker_extension_cls), not added "
-                "to a running engine",
-            )
-        self.hooks = hooks
         from vllm.distributed.parallel_state import get_tp_group
 
         self.is_sender = get_tp_group().rank_in_group == 0
@@ -157,13 +147,6 @@ class CodraftEngine(StepListener):
             read_initial_draft(spec.draft_model_config.model),
         )
         taps = tuple(self.current.config.tap_layers)
-        if tuple(sorted(taps)) != hooks.tap_layers or list(taps) != sorted(taps):
-            raise SwapError(
-                503,
-                f"the target collects aux hidden states of layers {list(hooks.tap_layers)}, but "
-                f"the draft's tap layers are {list(taps)}; codraft needs them equal and "
-                "increasing",
-            )
         self.policy = PolicySlot(0, self.serving["path"], utc_now())
         self.acceptance = Acceptance(self.cfg.rollback_window)
         self.reference_rate: float | None = None
@@ -202,13 +185,20 @@ class CodraftEngine(StepListener):
             self._apply_tap()
         except SwapError as e:
             log.error("codraft: tap left off: %s", e)
-        # Last, once nothing above can fail.
-        hooks.attach(self, _WIRE_DTYPES[wire])
+        # Last, once nothing above can fail: a failed start must not leave hooks behind.
+        self.hooks = RunnerHooks(
+            self.runner, taps, self, _WIRE_DTYPES[wire], self.cfg.tap_device_mb << 20
+        )
+        try:
+            self.hooks.install()
+        except Exception:
+            self.close()
+            raise
         self._wrap_shutdown()
         log.info(
-            "codraft: hooks attached (vLLM %s, %s runner, draft v%d, taps %s, tap %s)",
+            "codraft: hooks installed (vLLM %s, %s runner, draft v%d, taps %s, tap %s)",
             self.vllm_version,
-            hooks.kind,
+            self.hooks.kind,
             self.current.version,
             list(taps),
             "on" if self.tap_enabled else "off",
@@ -240,7 +230,9 @@ class CodraftEngine(StepListener):
 
     def close(self) -> None:
         """Engine shutdown: stop capturing, let the assembly finish, close the publisher."""
-        self.hooks.detach()
+        hooks = getattr(self, "hooks", None)
+        if hooks is not None:
+            hooks.uninstall()
         self.capture.close()
         self.close_publisher()
 
@@ -280,10 +272,10 @@ class CodraftEngine(StepListener):
             return
         drafts = draft_tokens = accepted = 0
         for s, toks in zip(record.slices, sampled_ids, strict=True):
-            if s.num_drafts:
+            if k := s.num_drafts:  # ReqSlice.accepted, inline: this loop runs every step
                 drafts += 1
-                draft_tokens += s.num_drafts
-                accepted += s.accepted(toks)
+                draft_tokens += k
+                accepted += min(max(len(toks) - 1, 0), k)
         self.acceptance.record(record.context.proposer_version, drafts, draft_tokens, accepted)
         if (
             self.cfg.auto_rollback
@@ -478,6 +470,8 @@ class CodraftEngine(StepListener):
                 "requests_inconsistent": c.requests_inconsistent,
                 "requests_sampled_out": self.sampled_out,
                 "steps_lost": c.steps_lost,
+                "steps_skipped": self.hooks.copier.steps_skipped,
+                "device_bytes_held": self.hooks.copier.held_bytes,
                 "capture_queue_depth": self.capture.assembler.depth(),
                 "hook_errors": self.hooks.errors,
             },
@@ -507,66 +501,8 @@ class CodraftEngine(StepListener):
         return {"ok": True, "versions": versions, "current": self.current.version}
 
 
-HOOKS_KEY = "_codraft_hooks"
-
-
-def _configure_at_load(worker: Any, runner: Any) -> None:
-    """Wrap `runner.load_model` (this instance only) so that codraft's hooks are configured
-    right after the model is loaded, before vLLM compiles it or captures CUDA graphs."""
-    spec = getattr(worker.vllm_config, "speculative_config", None)
-    if spec is None or spec.method != "eagle3":
-        return  # nothing to capture; the first codraft RPC explains (503)
-    if worker.vllm_config.parallel_config.pipeline_parallel_size != 1:
-        return
-    load_model = runner.load_model
-
-    def load_model_then_configure(*args: Any, **kwargs: Any) -> Any:
-        out = load_model(*args, **kwargs)
-        hooks = RunnerHooks(runner)
-        hooks.configure()
-        worker.__dict__[HOOKS_KEY] = hooks
-        log.info(
-            "codraft: %s runner configured at load (aux layers %s + last layer %d: %s)",
-            hooks.kind,
-            list(hooks.tap_layers),
-            hooks.num_layers,
-            "added" if hooks.extra_last else "already a tap",
-        )
-        return out
-
-    runner.load_model = load_model_then_configure
-
-
-class _RunnerSlot:
-    """The worker's `model_runner` attribute, seen as vLLM's worker assigns it.
-
-    vLLM mixes the extension class into its worker class but calls nothing of it until the
-    first RPC, which comes after the engine has compiled the model and captured its graphs.
-    Every supported worker assigns `self.model_runner` (in `init_device`) before it loads the
-    model; this data descriptor, found on the worker's class through the mixin, takes that
-    assignment, stores the runner in the instance as usual and wraps the runner's
-    `load_model`, so codraft's configuration lands between loading and compiling."""
-
-    key = "_codraft_model_runner"
-
-    def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        if obj is None:
-            return self
-        try:
-            return obj.__dict__[self.key]
-        except KeyError:
-            raise AttributeError("model_runner") from None
-
-    def __set__(self, obj: Any, runner: Any) -> None:
-        obj.__dict__[self.key] = runner
-        if runner is not None and HOOKS_KEY not in obj.__dict__:
-            _configure_at_load(obj, runner)
-
-
 class CodraftWorkerExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`); see the module doc for the RPCs."""
-
-    model_runner = _RunnerSlot()
 
     def codraft_info(self) -> dict[str, Any]:
         return self._codraft_call(lambda e: e.info())

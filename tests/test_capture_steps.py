@@ -184,7 +184,7 @@ def _no_reordering(self, record, sampled) -> None:
 @pytest.mark.parametrize(
     "plant",
     [
-        ("server.hooks.ReqSlice.final_rows", lambda self, sampled: self.num_tokens - 1),
+        ("server.hooks.final_rows", lambda s, sampled: s.num_tokens - 1),
         ("server.capture.Capture.on_step", _no_reordering),
     ],
     ids=["a final row dropped", "no reordering"],
