@@ -135,6 +135,17 @@ class TapReceiver:
     def messages(self) -> int:
         return int(self._messages.value)
 
+    def settle(self, quiet_s: float = 0.3, timeout: float = 30.0) -> None:
+        """Wait until no message has arrived for `quiet_s` (what was sent has arrived)."""
+        deadline, last, since = time.monotonic() + timeout, -1, time.monotonic()
+        while time.monotonic() < deadline:
+            now = self.messages
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                return
+            time.sleep(0.02)
+
     @property
     def bytes(self) -> int:
         return int(self._bytes.value)
@@ -272,13 +283,16 @@ def run_arm(spec: ArmSpec) -> dict[str, Any]:
     for b in sorted(set(spec.batches)):
         _generate(llm, batch_prompts(prompts, b), 8)
     if spec.codraft:
-        llm.collective_rpc("codraft_stats", kwargs={"flush": True})
-        result["stats_before"] = llm.collective_rpc("codraft_stats")[0]
+        result["stats_before"] = llm.collective_rpc("codraft_stats", kwargs={"flush": True})[0]
+        if receiver is not None:
+            receiver.settle()
     result["batches"] = []
     for b in spec.batches:
         before = (receiver.messages, receiver.bytes) if receiver else (0, 0)
         row = _generate(llm, batch_prompts(prompts, b), spec.max_tokens)
-        if receiver is not None:  # what reached the learner side while the batch ran
+        if receiver is not None:  # every message of the batch, over the batch's wall time
+            llm.collective_rpc("codraft_stats", kwargs={"flush": True})
+            receiver.settle()
             row["tap_messages"] = receiver.messages - before[0]
             row["tap_bytes"] = receiver.bytes - before[1]
             row["tap_mb_per_s"] = row["tap_bytes"] / row["wall_s"] / 1e6

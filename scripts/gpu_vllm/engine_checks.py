@@ -4,11 +4,11 @@ runs in a subprocess of its own; everything is recorded in `<out>/checks.json`.
 
 * `sampling`: sampled tokens stay the target's. One prompt, temperature 1, `--samples`
   requests of 4 tokens, with a draft that proposes one fixed token (codraft.testing's agreeing
-  draft: token 300 at probability ~0.997 under its own softmax), three engines: plain vLLM
-  without speculation, plain vLLM with that draft, codraft's engine (`codraft serve`'s engine
-  arguments, tap on) with it. At every output position, a two-sample chi-square test of the
-  token distribution against no speculation (categories with fewer than 5 expected samples
-  pooled), and how often the proposed token was drawn.
+  draft: token 300 at probability ~0.997 under its own softmax), three engines, each with its
+  own seed: plain vLLM without speculation, plain vLLM with that draft, codraft's engine
+  (`codraft serve`'s engine arguments, tap on) with it. At every output position, a two-sample
+  chi-square test of the token distribution against no speculation (categories with fewer than
+  5 expected samples pooled), and how often the proposed token was drawn.
 * `swap`: a swap under graphs changes what is proposed, not only what is loaded. The target
   always emits token 300 (codraft.testing.make_constant_target); the engine starts with a random
   draft (acceptance length ~1), swaps in the agreeing draft (~k+1), rolls back (~1), then stages
@@ -73,7 +73,9 @@ def chi_square(a: Counter, b: Counter) -> tuple[float, int, float]:
 
 
 # ---------------------------------------------------------------------------- engines
-def _llm(target: str, draft: str | None, codraft: bool, tap: str | None, eager: bool):
+def _llm(
+    target: str, draft: str | None, codraft: bool, tap: str | None, eager: bool, seed: int = 0
+):
     from vllm import LLM
 
     from server.compat import apply_engine_env
@@ -81,7 +83,7 @@ def _llm(target: str, draft: str | None, codraft: bool, tap: str | None, eager: 
     apply_engine_env()
     common: dict[str, Any] = dict(
         dtype="float32", max_model_len=256, max_num_seqs=64, enable_prefix_caching=False,
-        gpu_memory_utilization=0.15, enforce_eager=eager, seed=0,
+        gpu_memory_utilization=0.15, enforce_eager=eager, seed=seed,
     )  # fmt: skip
     if codraft:
         from server.serve_config import ServeConfig, offline_engine_kwargs
@@ -102,7 +104,9 @@ def _ids(outs: Any) -> list[list[int]]:
 def worker_sampling(job: dict) -> dict:
     from vllm import SamplingParams
 
-    llm = _llm(job["target"], job.get("draft"), job["codraft"], job.get("tap"), job["eager"])
+    llm = _llm(
+        job["target"], job.get("draft"), job["codraft"], job.get("tap"), job["eager"], job["seed"]
+    )
     if job["codraft"]:
         assert llm.collective_rpc("codraft_info")[0]["ok"]
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
@@ -235,12 +239,14 @@ def models(work: Path) -> dict[str, str]:
 
 def check_sampling(m: dict, args: argparse.Namespace, work: Path) -> dict:
     common = {"target": m["target"], "samples": args.samples, "eager": args.eager}
+    # each engine its own seed: the samples compared are independent (with one seed vLLM's
+    # seeded sampler draws nearly the same tokens in every arm, and the test would say little)
     arms = {
-        "no speculation": {**common, "name": "sampling-base", "codraft": False},
+        "no speculation": {**common, "name": "sampling-base", "codraft": False, "seed": 1},
         "vLLM EAGLE-3": {**common, "name": "sampling-eagle3", "codraft": False,
-                         "draft": m["agree"]},
+                         "draft": m["agree"], "seed": 2},
         "codraft": {**common, "name": "sampling-codraft", "codraft": True, "draft": m["agree"],
-                    "tap": f"tcp://127.0.0.1:{_free_port()}"},
+                    "tap": f"tcp://127.0.0.1:{_free_port()}", "seed": 3},
     }  # fmt: skip
     runs = {k: run_job("sampling", job, work, args.timeout) for k, job in arms.items()}
     from codraft.testing import CONSTANT_TOKEN
