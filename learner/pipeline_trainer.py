@@ -128,7 +128,7 @@ class PipelineLearner:
             train = replace(train, recompute=False, device=str(device))
             trainer = Trainer(
                 target_dir, out_dir, train, token_counts=token_counts, target_config=tcfg,
-                teacher=Teacher(stage.norm, stage.lm_head),  # the stage's own head
+                teacher=Teacher(stage.lm_head),  # the stage's own lm_head
             )  # fmt: skip
             tap_layers = [list(trainer.tap_layers)]
         if g.pp_group is not None:

@@ -1,10 +1,11 @@
 """The teacher: target distributions for the draft to learn, from the target itself.
 
-Streamed mode: the server streams each token's last hidden state (before the final norm); the
-teacher holds only the target's final norm and lm_head (read from the model folder without
-loading any decoder layer; tied embeddings mean lm_head = embed_tokens) and turns hidden states
-into logits. Recompute mode: the server streams token ids only; the teacher runs the whole
-`TargetModel` on one device over a packed batch to get taps, last hidden and logits.
+Streamed mode: the server streams each token's final hidden state, taken after the target's
+final norm (the lm_head's input; tap message schema 2); the teacher holds only the target's
+lm_head (read from the model folder without loading any decoder layer or norm; tied embeddings
+mean lm_head = embed_tokens) and turns hidden states into logits = lm_head(last_hidden).
+Recompute mode: the server streams token ids only; the teacher runs the whole `TargetModel` on
+one device over a packed batch to get taps, last hidden (post-norm, as streamed) and logits.
 
 Everything runs under no_grad and in chunks of `chunk_tokens` rows, so the [chunk, V] logits are
 the only vocabulary-sized temporaries. Hidden states are cast to the head's dtype first, so the
@@ -25,7 +26,6 @@ from safetensors import safe_open
 from torch import nn
 
 from codraft.models.config import TargetConfig
-from codraft.models.layers import RMSNorm
 from codraft.models.llama import TargetModel, TargetOutput, load_target, safetensors_files
 from learner.data.packing import PackedBatch
 
@@ -69,43 +69,47 @@ def load_head(
     device: torch.device | str = "cpu",
     *,
     config: TargetConfig | None = None,
-) -> tuple[RMSNorm, nn.Linear]:
-    """The target's final norm and lm_head, read alone from a transformers model folder
-    (`config`: its config.json, when already read)."""
+) -> nn.Linear:
+    """The target's lm_head alone (the embeddings when they are tied), read from a transformers
+    model folder (`config`: its config.json, when already read). No final norm: the hidden states
+    it is applied to are taken after it."""
     path = Path(path)
     cfg = config if config is not None else TargetConfig.from_pretrained(path)
     H, V = cfg.hidden_size, cfg.vocab_size
-    norm_w = _read_tensor(path, ("model.norm.weight", "norm.weight"), (H,))
     head_names = ("lm_head.weight",)
     if cfg.tie_word_embeddings:
         head_names = ("model.embed_tokens.weight", "embed_tokens.weight")
     head_w = _read_tensor(path, head_names, (V, H))
     with torch.device("meta"):
-        norm = RMSNorm(H, cfg.rms_norm_eps)
         head = nn.Linear(H, V, bias=False)
-    norm.weight = nn.Parameter(norm_w.to(device=device, dtype=dtype), requires_grad=False)
     head.weight = nn.Parameter(head_w.to(device=device, dtype=dtype), requires_grad=False)
-    return norm.eval(), head.eval()
+    return head.eval()
 
 
 class Teacher:
-    """Teacher logits and draft-vocab targets from the target's head (and body in recompute).
+    """Teacher logits and draft-vocab targets from the target's lm_head (and body in recompute).
 
-    Build with `from_pretrained(path)` (streamed; recompute=True loads the whole target) or
-    `from_model(model)` (recompute, sharing the model's own head).
+    Build with `from_pretrained(path)` (streamed; recompute=True loads the whole target),
+    `from_model(model)` (recompute, sharing the model's own lm_head) or `Teacher(lm_head)`.
+    Every hidden state given to it is a final one, after the target's final norm.
     """
 
     def __init__(
         self,
-        norm: RMSNorm,
         lm_head: nn.Linear,
         *,
         target: TargetModel | None = None,
         chunk_tokens: int = 1024,
     ) -> None:
+        if not isinstance(lm_head, nn.Linear):
+            raise TypeError(
+                f"Teacher takes the target's lm_head (an nn.Linear [V, H]), got "
+                f"{type(lm_head).__name__}; it holds no final norm: the hidden states it is "
+                "given are taken after the target's final norm"
+            )
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-        self.norm, self.lm_head, self.target = norm, lm_head, target
+        self.lm_head, self.target = lm_head, target
         self.chunk_tokens = chunk_tokens
         self._draft_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # (t2d, rows of W)
 
@@ -124,12 +128,11 @@ class Teacher:
         if recompute:
             model = load_target(path, dtype, device, config=config)
             return cls.from_model(model, chunk_tokens=chunk_tokens)
-        norm, head = load_head(path, dtype, device, config=config)
-        return cls(norm, head, chunk_tokens=chunk_tokens)
+        return cls(load_head(path, dtype, device, config=config), chunk_tokens=chunk_tokens)
 
     @classmethod
     def from_model(cls, model: TargetModel, *, chunk_tokens: int = 1024) -> Teacher:
-        return cls(model.norm, model.lm_head, target=model, chunk_tokens=chunk_tokens)
+        return cls(model.lm_head, target=model, chunk_tokens=chunk_tokens)
 
     @property
     def mode(self) -> str:
@@ -152,21 +155,22 @@ class Teacher:
         if last_hidden.shape[-1] != H:
             raise ValueError(
                 f"last_hidden has width {last_hidden.shape[-1]}, the target's hidden size is {H}: "
-                "stream the last hidden state [N, H], not the taps"
+                "stream the final hidden state [N, H], not the taps"
             )
         return last_hidden.reshape(-1, H)
 
     @torch.no_grad()
     def iter_logits(self, last_hidden: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-        """(start row, logits [chunk, V]) over the rows of last_hidden [..., H], in order."""
+        """(start row, logits [chunk, V]) over the rows of last_hidden [..., H] (post-norm),
+        in order."""
         h = self._check_hidden(last_hidden)
         for a in range(0, len(h), self.chunk_tokens):
             x = h[a : a + self.chunk_tokens].to(device=self.device, dtype=self.dtype)
-            yield a, self.lm_head(self.norm(x))
+            yield a, self.lm_head(x)
 
     @torch.no_grad()
     def logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head of last hidden states [..., H] -> logits [..., V]."""
+        """lm_head of final (post-norm) hidden states [..., H] -> logits [..., V]."""
         out = torch.empty(
             *last_hidden.shape[:-1], self.vocab_size, device=self.device, dtype=self.dtype
         )
@@ -191,13 +195,14 @@ class Teacher:
     @torch.no_grad()
     def draft_targets(self, last_hidden: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
         """Teacher distributions over the draft vocab, fp32 [..., Vd]:
-        softmax(target_logits[..., t2d]), computing only the draft vocab's logits."""
+        softmax(target_logits[..., t2d]) for final (post-norm) hidden states [..., H], computing
+        only the draft vocab's logits."""
         w = self._draft_rows(t2d)
         h = self._check_hidden(last_hidden)
         out = torch.empty(len(h), w.shape[0], device=self.device, dtype=torch.float32)
         for a in range(0, len(h), self.chunk_tokens):
             x = h[a : a + self.chunk_tokens].to(device=self.device, dtype=self.dtype)
-            out[a : a + len(x)] = F.linear(self.norm(x), w).float().softmax(-1)
+            out[a : a + len(x)] = F.linear(x, w).float().softmax(-1)
         return out.view(*last_hidden.shape[:-1], w.shape[0])
 
     # ------------------------------------------------------------------ recompute
@@ -213,8 +218,8 @@ class Teacher:
     def recompute(
         self, batch: PackedBatch, tap_layers: Sequence[int], *, return_logits: bool = False
     ) -> TargetOutput:
-        """Run the target over a packed batch: taps [N, n_taps*H], last_hidden [N, H] and, when
-        asked, logits [N, V] (computed in chunks)."""
+        """Run the target over a packed batch: taps [N, n_taps*H], last_hidden [N, H] (after the
+        final norm, like a streamed one) and, when asked, logits [N, V] (computed in chunks)."""
         model = self._need_target()
         dev = self.device
         out = model(

@@ -66,7 +66,6 @@ from torch.distributed import ProcessGroup
 
 from codraft.draft.config import DraftConfig
 from codraft.draft.model import Eagle3Draft
-from codraft.models.layers import RMSNorm
 from learner.attention.block import Backend, block_backward, block_forward
 from learner.attention.pass_attention import pass_attention
 from learner.attention.ring import ring_pass_attention
@@ -355,14 +354,13 @@ def build_draft(args: argparse.Namespace, device: torch.device) -> Eagle3Draft:
 
 
 def build_teacher(args: argparse.Namespace, device: torch.device) -> Teacher:
-    """The streamed-mode teacher (the target's final norm and lm_head, fp32), random head."""
+    """The streamed-mode teacher (the target's lm_head, fp32), random head."""
     torch.manual_seed(args.seed + 7)
     with torch.device(device):
-        norm, head = RMSNorm(args.hidden), nn.Linear(args.hidden, args.vocab, bias=False)
+        head = nn.Linear(args.hidden, args.vocab, bias=False)
     nn.init.normal_(head.weight, std=0.02)
-    for p in (*norm.parameters(), *head.parameters()):
-        p.requires_grad_(False)
-    return Teacher(norm.eval(), head.eval())
+    head.requires_grad_(False)
+    return Teacher(head.eval())
 
 
 # ------------------------------------------------------------------------ the step

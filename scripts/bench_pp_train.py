@@ -375,7 +375,7 @@ class Bench:
         )
         return HeldTrainer(
             None, self.scratch, train, target_config=tcfg,
-            teacher=Teacher(self.stage.norm, self.stage.lm_head),
+            teacher=Teacher(self.stage.lm_head),
             embedding=embed.normal_(0.0, 0.02, generator=g),
         )  # fmt: skip
 

@@ -106,7 +106,7 @@ def _pipeline_run(
     draft = _draft(model, tap_layers)
     consumer = None
     if groups.is_last:
-        consumer = DraftStage(draft, Teacher(stage.norm, stage.lm_head), keep=True, **kw)
+        consumer = DraftStage(draft, Teacher(stage.lm_head), keep=True, **kw)
         consumer.begin(batch)
     stats = pipe.run(batch, consumer)
     if not groups.is_last:
@@ -310,7 +310,7 @@ def _case_pp_cp(rank, world, model, tap_layers) -> dict[str, Any]:
         full = collector.gather(mesh.cp_group)
         cp = ContextParallel(mesh)
         draft = _draft(model, tap_layers)
-        teacher = Teacher(stage.norm, stage.lm_head)
+        teacher = Teacher(stage.lm_head)
         res = cp_draft_step(cp, draft, teacher, full, TTTConfig())
         cp.reduce_gradients(draft.parameters())
         metrics = cp.reduce_metrics(res)

@@ -102,9 +102,11 @@ def test_load_stage_reads_exactly_its_slice(
 @pytest.mark.parametrize("stages", [1, 2, 4])
 def test_stages_chained_by_hand_equal_the_model(tiny_llama_dir: Path, stages: int) -> None:
     """Forward-only fp32: the stages' taps, last hidden and logits equal the model's bit for
-    bit on a packed batch (same kernels, same shapes)."""
+    bit on a packed batch (same kernels, same shapes). The last stage hands on the post-norm
+    last hidden state, while its tap L stays before the final norm."""
     model = load_target(tiny_llama_dir)
-    taps = model.config.default_tap_layers()
+    L = model.config.num_layers
+    taps = (*model.config.default_tap_layers(), L)
     g = torch.Generator().manual_seed(1)
     batch = pack([Sample(torch.randint(3, 500, (n,), generator=g)) for n in (7, 13, 4)])
     with torch.no_grad():
@@ -118,7 +120,9 @@ def test_stages_chained_by_hand_equal_the_model(tiny_llama_dir: Path, stages: in
         logits = stage.head(x)
     assert torch.equal(torch.cat([got[t] for t in taps], -1), ref.taps)
     assert torch.equal(x, ref.last_hidden)
+    assert torch.equal(x, model.norm(got[L])) and not torch.allclose(x, got[L], atol=1e-2)
     assert torch.equal(logits, ref.logits)
+    assert torch.equal(logits, stage.lm_head(x))
 
 
 def test_configs_refuse_nonsense() -> None:

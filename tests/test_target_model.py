@@ -1,10 +1,11 @@
 """codraft's TargetModel against transformers on the same tiny random weights (fp32, CPU).
 
-transformers quirk (checked on 5.x): `output_hidden_states` gives L + 1 entries, and entries
-0..L-1 are the residual stream after k layers (codraft tap k), but the LAST entry,
-hidden_states[L], is taken AFTER the final norm (lm_head(hidden_states[L]) == logits). codraft's
-tap L and `last_hidden` are BEFORE the final norm, so the test compares norm(last_hidden) with
-hidden_states[L], and tap L with last_hidden.
+transformers (checked on 5.x, and checked again by the test for every variant): with
+`output_hidden_states` it gives L + 1 entries; entries 0..L-1 are the residual stream after k
+layers (codraft tap k), but the LAST entry, hidden_states[L], is taken AFTER the final norm
+(lm_head(hidden_states[L]) == logits). That is codraft's `last_hidden`. codraft's tap L is the
+last layer's output BEFORE the final norm, which transformers does not return: the test takes it
+from a forward hook on the reference's last decoder layer.
 """
 
 from __future__ import annotations
@@ -41,6 +42,16 @@ def _reference(path: Path) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+def _last_layer_output(ref: torch.nn.Module) -> tuple[list[torch.Tensor], object]:
+    """A hook that keeps what the reference's last decoder layer returns (before the norm)."""
+    seen: list[torch.Tensor] = []
+
+    def keep(_module, _args, output) -> None:
+        seen.append(output[0] if isinstance(output, tuple) else output)
+
+    return seen, ref.model.layers[-1].register_forward_hook(keep)
+
+
 @torch.no_grad()
 def test_matches_transformers(variant_dir: Path) -> None:
     ours, ref = load_target(variant_dir), _reference(variant_dir)
@@ -50,7 +61,16 @@ def test_matches_transformers(variant_dir: Path) -> None:
     )
     taps = (0, 1, 2, L)
     out = ours(ids, tap_layers=taps)
+    seen, hook = _last_layer_output(ref)
     want = ref(ids, output_hidden_states=True)
+    hook.remove()
+    (ref_prenorm,) = seen
+
+    # The reference itself: its last hidden_states entry is post-norm, the lm_head's input.
+    assert len(want.hidden_states) == L + 1
+    assert torch.allclose(ref.model.norm(ref_prenorm), want.hidden_states[L], atol=1e-6)
+    assert torch.allclose(ref.lm_head(want.hidden_states[L]), want.logits, atol=1e-5)
+    assert (ref_prenorm - want.hidden_states[L]).abs().max() > 1e-2  # the two really differ
 
     assert out.logits.shape == (2, 11, ours.config.vocab_size)
     assert (out.logits - want.logits).abs().max() < 1e-4
@@ -58,9 +78,14 @@ def test_matches_transformers(variant_dir: Path) -> None:
     got = out.taps.split(H, dim=-1)
     for k, tap in zip(taps[:-1], got[:-1], strict=True):
         assert torch.allclose(tap, want.hidden_states[k], atol=1e-5), f"tap {k}"
-    assert torch.equal(got[-1], out.last_hidden)  # tap L is the pre-norm last hidden
-    assert torch.allclose(ours.norm(out.last_hidden), want.hidden_states[L], atol=1e-5)
-    assert torch.allclose(ours.head(out.last_hidden), out.logits, atol=1e-6)
+    assert torch.allclose(got[-1], ref_prenorm, atol=1e-5)  # tap L: before the final norm
+    # last_hidden: after the final norm, transformers' hidden_states[-1]; logits are its head
+    assert out.last_hidden.shape == (2, 11, H)
+    assert torch.allclose(out.last_hidden, want.hidden_states[-1], atol=1e-5)
+    assert not torch.allclose(out.last_hidden, got[-1], atol=1e-2)
+    assert torch.equal(ours.norm(got[-1]), out.last_hidden)
+    assert torch.equal(ours.head(out.last_hidden), out.logits)
+    assert torch.equal(ours.lm_head(out.last_hidden), out.logits)
 
     # explicit, shifted positions (what a continuation chunk uses)
     pos = torch.arange(3, 14).expand(2, 11)

@@ -1,5 +1,9 @@
-"""The teacher: head-only loading, exact match with TargetModel.head, draft-vocab targets,
-and recompute of taps over packed batches."""
+"""The teacher: head-only loading, exact match with the target's own logits from its post-norm
+last hidden state, draft-vocab targets, and recompute of taps over packed batches.
+
+The streamed last hidden state is the target's final hidden state after the final norm, so the
+teacher is the lm_head alone: its logits of `TargetModel(...).last_hidden` must be the model's
+logits, and of any [N, H] rows exactly `rows @ lm_head.weight.T` (no norm applied)."""
 
 from __future__ import annotations
 
@@ -26,14 +30,22 @@ def target(tiny_llama_dir: Path):
 
 
 def hidden(n: int, H: int = 64, seed: int = 0) -> torch.Tensor:
-    return torch.randn(n, H, generator=torch.Generator().manual_seed(seed)) * 3
+    """Rows shaped like final hidden states: post-norm, so of RMS about 1."""
+    return torch.randn(n, H, generator=torch.Generator().manual_seed(seed))
 
 
 def test_streamed_logits_equal_target_head_exactly(tiny_llama_dir: Path, target) -> None:
     t = Teacher.from_pretrained(tiny_llama_dir)
     assert t.mode == "streamed" and t.target is None
+    assert not hasattr(t, "norm")
+    # what a server streams: the model's post-norm last hidden state; its logits, bit for bit
+    ids = torch.randint(0, 512, (1, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out = target(ids)
+    assert torch.equal(t.logits(out.last_hidden[0]), out.logits[0])
     h = hidden(30)
     assert torch.equal(t.logits(h), target.head(h))
+    assert torch.equal(t.logits(h), h @ target.lm_head.weight.T)  # the lm_head, no norm
     h3 = h.view(3, 10, 64)
     assert torch.equal(t.logits(h3), target.head(h3))
     # smaller chunks: BLAS may round a few rows differently by an ulp, nothing more
@@ -68,8 +80,9 @@ def test_head_is_loaded_alone(tiny_llama_dir: Path, monkeypatch) -> None:
             return self.inner.get_tensor(key)
 
     monkeypatch.setattr(teacher_mod, "safe_open", Spy)
-    load_head(tiny_llama_dir)
-    assert sorted(read) == ["lm_head.weight", "model.norm.weight"]
+    head = load_head(tiny_llama_dir)
+    assert read == ["lm_head.weight"]  # no final norm: the streamed state is taken after it
+    assert isinstance(head, torch.nn.Linear) and not head.weight.requires_grad
 
 
 def test_tied_embeddings_use_embed_tokens(tiny_llama_dir: Path, tmp_path: Path, target) -> None:
@@ -81,11 +94,22 @@ def test_tied_embeddings_use_embed_tokens(tiny_llama_dir: Path, tmp_path: Path, 
     state = load_file(tied / "model.safetensors")
     state.pop("lm_head.weight")
     save_file(state, tied / "model.safetensors", metadata={"format": "pt"})
-    norm, head = load_head(tied)
+    head = load_head(tied)
     assert torch.equal(head.weight, target.embed_tokens.weight)
     tied_target = load_target(tied)
     h = hidden(9)
-    assert torch.equal(Teacher(norm, head).logits(h), tied_target.head(h))
+    assert torch.equal(Teacher(head).logits(h), tied_target.head(h))
+    ids = torch.arange(3, 12)[None]
+    with torch.no_grad():
+        out = tied_target(ids)
+    assert torch.equal(Teacher(head).logits(out.last_hidden), out.logits)
+
+
+def test_teacher_takes_the_lm_head_alone(target) -> None:
+    with pytest.raises(TypeError):
+        Teacher(target.norm, target.lm_head)
+    with pytest.raises(TypeError, match="lm_head.*no final norm"):
+        Teacher(target.norm)
 
 
 def test_draft_targets_match_dense_softmax(tiny_llama_dir: Path, target) -> None:
@@ -99,6 +123,10 @@ def test_draft_targets_match_dense_softmax(tiny_llama_dir: Path, target) -> None
     torch.testing.assert_close(p.sum(-1), torch.ones(20), rtol=0, atol=1e-6)
     dense = target.head(h)[..., t2d].float().softmax(-1)
     torch.testing.assert_close(p, dense, rtol=1e-6, atol=1e-7)
+    with torch.no_grad():
+        out = target(torch.arange(5, 25)[None])
+    from_model = out.logits[0][..., t2d].float().softmax(-1)
+    torch.testing.assert_close(t.draft_targets(out.last_hidden[0], t2d), from_model)
     _, t2d_full = ids_to_maps(torch.arange(V), V)
     torch.testing.assert_close(t.draft_targets(h, t2d_full), target.head(h).softmax(-1))
     with pytest.raises(ValueError, match="bool mask"):
@@ -120,4 +148,9 @@ def test_recompute_over_packed_batch(target) -> None:
         torch.testing.assert_close(out.taps[a : a + n], ref.taps[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(filled.last_hidden[a : a + n], ref.last_hidden[0])
         torch.testing.assert_close(out.logits[a : a + n], ref.logits[0], rtol=1e-5, atol=1e-5)
+        # last_hidden is post-norm: the final norm of tap L, the last layer's output
+        L = target.config.num_layers
+        prenorm = target(d[None], tap_layers=(L,), return_logits=False).taps[0]
+        torch.testing.assert_close(out.last_hidden[a : a + n], target.norm(prenorm))
     assert torch.equal(out.logits, target.head(out.last_hidden))
+    assert torch.equal(out.logits, target.lm_head(out.last_hidden))

@@ -1,11 +1,12 @@
 """The trainer, `codraft learn --from-dir`, checkpoint resume, and the acceptance estimator.
 
 Runs on a tiny random Llama with tap files written from codraft's own TargetModel (the same
-features the server captures)."""
+features the server captures: taps before the final norm, the last hidden state after it)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,10 @@ import torch
 from codraft.draft.checkpoint import check_draft, load_draft
 from codraft.models.config import TargetConfig
 from codraft.models.llama import load_target
-from codraft.tap import TapMessage, TapWriter, model_fingerprint
+from codraft.tap import TapMessage, TapWriter, model_fingerprint, read_taps
 from codraft.testing import make_agreeing_draft, make_constant_target
 from learner.acceptance import AcceptanceReport, estimate_acceptance, walk
+from learner.data import Sample, pack
 from learner.offline import OfflineConfig, train_from_dir
 from learner.parallel.launch import ParallelConfig
 from learner.teacher import Teacher, load_embedding
@@ -74,6 +76,30 @@ def test_training_lowers_the_loss(tiny_llama_dir: Path, taps_dir: Path, tmp_path
     cfg, meta = check_draft(out["draft"])
     assert meta.version >= 2 and meta.counters["step"] == 30
     assert cfg.tap_layers == TargetConfig.from_pretrained(tiny_llama_dir).default_tap_layers()
+
+
+def test_streamed_step_equals_recompute_step(
+    tiny_llama_dir: Path, taps_dir: Path, tmp_path: Path
+) -> None:
+    """A streamed trainer (features from the tap files, teacher = the lm_head alone applied to
+    the recorded post-norm last hidden state) computes the same loss and gradients as a
+    recompute trainer that runs the whole target on the token ids. The tiny target's norm
+    weights are random, so a norm applied twice, or not at all, would show."""
+    msgs = list(read_taps(taps_dir))[:4]
+    streamed = pack([Sample.from_tap(m) for m in msgs])
+    ids_only = pack([Sample(m.token_ids, loss_mask=m.loss_mask) for m in msgs])
+    cfg = TrainConfig(num_passes=3, draft_vocab_size=64, device="cpu", seed=0)
+    a = Trainer(tiny_llama_dir, tmp_path / "a", cfg)
+    b = Trainer(tiny_llama_dir, tmp_path / "b", replace(cfg, recompute=True))
+    assert (a.teacher.mode, b.teacher.mode) == ("streamed", "recompute")
+    ma, mb = a.step(streamed), b.step(ids_only)
+    assert ma.loss == pytest.approx(mb.loss, rel=1e-5, abs=1e-6)
+    pairs = zip(a.draft.named_parameters(), b.draft.named_parameters(), strict=True)
+    for (name, pa), (_, pb) in pairs:
+        if pa.grad is None:
+            assert pb.grad is None, name
+            continue
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_resume_continues_exactly(tiny_llama_dir: Path, taps_dir: Path, tmp_path: Path) -> None:

@@ -5,7 +5,13 @@ Parameter names are transformers' names without the leading `model.` of the body
 transformers checkpoint is a rename. Outputs match transformers' on the same weights.
 
 Pieces usable on their own (for a pipeline split applied from outside): `embed`, `rope`,
-`layers[i](h, cos, sin, cu_seqlens)` and `head`.
+`layers[i](h, cos, sin, cu_seqlens)`, `norm` and `head`.
+
+Two kinds of hidden state come out of a forward. Tap k is the residual stream after k decoder
+layers, before any final norm (tap 0: the embeddings; tap L: the output of the last layer).
+`last_hidden` is the target's final hidden state AFTER the final norm, the input of the lm_head:
+what vLLM's model forward returns and transformers' `hidden_states[-1]` for these models. So
+`logits == head(last_hidden) == lm_head(last_hidden)` and `last_hidden == norm(tap L)`.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ from codraft.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, 
 class TargetOutput:
     """Result of `TargetModel.forward`. Shapes are [B, T, ...], or [N, ...] for packed input.
 
-    logits: [.., V] after final norm and lm_head (None when not asked for).
-    taps: [.., n_taps * H], the tap layers' residual streams concatenated in the order asked.
-    last_hidden: [.., H], the residual stream after the last layer, BEFORE the final norm.
+    logits: [.., V] = lm_head(last_hidden) (None when not asked for).
+    taps: [.., n_taps * H], the tap layers' residual streams concatenated in the order asked
+    (before any final norm).
+    last_hidden: [.., H], the final hidden state AFTER the final norm (the lm_head's input).
     """
 
     logits: torch.Tensor | None
@@ -149,8 +156,8 @@ class TargetModel(nn.Module):
         return self.rotary_emb(positions, dtype)
 
     def head(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head: pre-norm last hidden states [..., H] -> logits [..., V]."""
-        return self.lm_head(self.norm(last_hidden))
+        """The lm_head alone: final (post-norm) hidden states [..., H] -> logits [..., V]."""
+        return self.lm_head(last_hidden)
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -167,7 +174,8 @@ class TargetModel(nn.Module):
         documents with `cu_seqlens` (int [n_docs + 1], 0 .. N; causal within each document).
         positions: RoPE positions, same shape as input_ids; default arange per row/document.
         tap_layers: tap k = residual stream after k layers (0 = embeddings, L = after the last
-        layer, before the final norm); concatenated in the order given.
+        layer, before the final norm); concatenated in the order given. `last_hidden` is the
+        final norm of the last layer's output, whatever the taps.
         """
         taps_wanted = validate_tap_layers(tap_layers, self.config.num_layers)
         packed = input_ids.dim() == 1
@@ -205,6 +213,7 @@ class TargetModel(nn.Module):
             if i in taps_wanted:
                 saved[i] = h
         taps = torch.cat([saved[k] for k in taps_wanted], dim=-1) if taps_wanted else None
+        h = self.norm(h)
         logits = self.head(h) if return_logits else None
         if packed:
             h = h[0]

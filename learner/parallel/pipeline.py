@@ -15,8 +15,9 @@ under no_grad, isend the output to stage s+1, post the receive of microbatch m+1
 taps (if it makes any) on TapChannel. The receive of m+1 is posted after the send of m: on NCCL
 one peer pair's operations may share one stream, and a receive posted first would hold the send
 back until the previous stage has produced m+1. The last stage waits for m, posts m+1, runs its
-layers, takes the taps of m from TapChannel (they usually landed while it computed), calls the
-consumer, and releases the landing slots.
+layers and the final norm, takes the taps of m from TapChannel (they usually landed while it
+computed), calls the consumer with the post-norm last hidden state and the (pre-norm) taps, and
+releases the landing slots.
 
 Every transfer goes through `learner.parallel.host_staged`: plain isend/irecv (NCCL on GPUs,
 gloo on CPU), except when the ranks share a GPU (`ParallelConfig.share_gpu`, single-GPU smoke
@@ -74,7 +75,7 @@ class StageOutput:
     count: int  # microbatches in this batch
     offset: int  # row of the batch where this microbatch starts
     batch: PackedBatch  # the microbatch (ids, positions, cu_seqlens, loss_mask, ...)
-    last_hidden: torch.Tensor  # [N, H], before the final norm
+    last_hidden: torch.Tensor  # [N, H], after the final norm (the lm_head's input)
     taps: torch.Tensor | None  # [N, n_taps * H] in tap-layer order (None without taps)
 
 

@@ -1,6 +1,11 @@
 """One pipeline stage of the target: a contiguous run of decoder layers, the token embeddings on
 stage 0 and the final norm + lm_head on the last stage.
 
+Every stage but the last hands on the residual stream after its last layer; the last stage
+applies the final norm to it and hands on the target's final hidden state (`last_hidden`, post-
+norm, the same as `TargetModel`'s and as a streamed tap message's), whose logits `head`, the
+lm_head alone, computes.
+
 The split is applied from outside to the plain `TargetModel` (its pieces `embed`, `rope`,
 `layers[i]`, `head`): `TargetStage.from_model` shares a loaded model's modules (tests, one
 process holding everything), `load_stage` reads only this stage's tensors from a transformers
@@ -9,8 +14,9 @@ folder (a real run, where no process holds the whole target).
 Parameter names stay the target's (`layers.5.mlp.up_proj.weight`, `norm.weight`), so a stage's
 state dict is a slice of the model's.
 
-Taps (DESIGN.md section 3): tap k is the residual stream after k decoder layers. It is made on
-the stage that runs layer k (0-based layer index k-1); tap 0, the embeddings, on stage 0.
+Taps (DESIGN.md section 3): tap k is the residual stream after k decoder layers, before any final
+norm (tap L too). It is made on the stage that runs layer k (0-based layer index k-1); tap 0, the
+embeddings, on stage 0.
 """
 
 from __future__ import annotations
@@ -145,8 +151,10 @@ class TargetStage(nn.Module):
         """Run this stage over one packed microbatch.
 
         x: token ids [N] on stage 0, else the previous stage's hidden states [N, H].
-        Returns (hidden [N, H] after this stage's last layer, {tap: [N, H]} for the taps of
-        `tap_layers` made here).
+        Returns (hidden [N, H], {tap: [N, H]} for the taps of `tap_layers` made here). The hidden
+        state is the residual stream after this stage's last layer, except on the last stage:
+        there it is the final norm of it, the target's post-norm `last_hidden` (the taps stay
+        pre-norm).
         """
         wanted = set(validate_tap_layers(tap_layers, self.config.num_layers))
         if self.is_first:
@@ -161,13 +169,16 @@ class TargetStage(nn.Module):
             h = layer(h, cos, sin, cu_seqlens)
             if i + 1 in wanted:
                 taps[i + 1] = h[0]
+        if self.is_last:
+            h = self.norm(h)
         return h[0], taps
 
     def head(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head (last stage only): [..., H] -> logits [..., V]."""
+        """The lm_head alone (last stage only): final (post-norm) hidden states [..., H], as
+        `forward` returns them there -> logits [..., V]."""
         if not self.is_last:
             raise RuntimeError(f"stage {self.index} has no head; only the last stage does")
-        return self.lm_head(self.norm(last_hidden))
+        return self.lm_head(last_hidden)
 
 
 def stage_tensor_names(cfg: TargetConfig, layer_range: range, first: bool, last: bool) -> set[str]:
