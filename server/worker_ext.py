@@ -44,11 +44,14 @@ RPC interface (all values plain JSON types):
   messages and stats carry the policy version from then on.
 - `codraft_set_tap(enabled=None, mode=None, sample_rate=None, endpoint=None)` -> {"ok", "tap"};
   None leaves a setting unchanged; mode "off" is enabled=False; 422 on bad values.
-- `codraft_stats()` -> {"ok", "tap": {"messages_sent", "messages_dropped", "bytes_sent",
-  "bytes_dropped", "queue_depth", "requests_captured", "requests_incomplete",
-  "requests_inconsistent", "requests_sampled_out", "hook_errors"}, "acceptance": {"<draft
+- `codraft_stats(flush=False)` -> {"ok", "tap": {"messages_sent", "messages_dropped",
+  "bytes_sent", "bytes_dropped", "queue_depth", "requests_captured", "requests_incomplete",
+  "requests_inconsistent", "requests_sampled_out", "steps_lost", "steps_skipped",
+  "device_bytes_held", "capture_queue_depth", "hook_errors"}, "hooks": {"runner": "v1" |
+  "v2", "steps", "record_us_per_step", "deliver_us_per_step"}, "acceptance": {"<draft
   version>": {"drafts", "draft_tokens", "accepted_tokens", "acceptance_length"}}, "swaps",
-  "rollbacks" (manual + automatic), "auto_rollbacks", "policy_version", "draft_version"}
+  "rollbacks" (manual + automatic), "auto_rollbacks", "policy_version", "draft_version"}.
+  `flush=True` first waits (bounded) until what was captured so far is assembled and sent.
 - `codraft_request_versions(request_ids)` -> {"ok", "versions": {id: version | None},
   "current"}: the draft version that produced a response is the one current when its request
   finished (a request still running: the current one). Ids may be the caller's (OpenAI) ids:
