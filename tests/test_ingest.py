@@ -5,6 +5,7 @@ must never stop the learner, and every one must be counted."""
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 import zlib
@@ -96,6 +97,22 @@ def test_malformed_messages_are_counted_and_never_fatal(ingest) -> None:
     assert st.accepted == 3 and len(buf) == 3
     assert {"frames", "schema", "fingerprint", "size"} <= set(st.rejected)
     assert ing._thread.is_alive()
+
+
+def test_a_schema_1_server_is_refused_and_told_why(ingest, caplog) -> None:
+    """A server of schema 1 streams its last hidden state before the final norm: every message is
+    refused under "schema" and the log says the taps are pre-norm and must be re-recorded."""
+    ing, buf, _ = ingest
+    good = [bytes(f) for f in encode(_msg(0))]
+    header = msgpack.unpackb(good[1][:-4])
+    header["schema"] = 1
+    packed = msgpack.packb(header)
+    old = [good[0], packed + zlib.crc32(packed).to_bytes(4, "little"), *good[2:]]
+    with caplog.at_level(logging.WARNING, logger="codraft.learn.ingest"):
+        assert ing.handle(old) is False
+    assert ing.stats.rejected == {"schema": 1} and ing.stats.accepted == 0 and len(buf) == 0
+    assert "pre-norm" in caplog.text and "re-recorded" in caplog.text
+    assert ing.handle(good) is True  # the current schema is still taken
 
 
 def test_buffer_policy_size_age_policy_window() -> None:

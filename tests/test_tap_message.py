@@ -1,10 +1,12 @@
-"""The codraft.tap.v1 message and recorded tap files: round trips, every rejection, a fuzz."""
+"""The codraft.tap.v1 message (schema 2) and recorded tap files: round trips, every rejection,
+schema-1 data refused, a fuzz."""
 
 from __future__ import annotations
 
 import json
 import logging
 import random
+import re
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -14,10 +16,12 @@ import numpy as np
 import pytest
 import torch
 
+import codraft.tap.message as message_mod
 from codraft.models.config import TargetConfig
 from codraft.tap import (
     MAGIC,
     REASONS,
+    SCHEMA_VERSION,
     ReadStats,
     TapDataset,
     TapExpectation,
@@ -181,7 +185,8 @@ def test_every_reason_is_reachable() -> None:
     check(with_header(good, policy_version=-1), "header")
     check(with_header(good, created=float("nan")), "header")
     check(with_header(good, num_tokens=0), "header")
-    check(with_header(good, schema=2), "schema")
+    check(with_header(good, schema=SCHEMA_VERSION + 1), "schema")
+    check(with_header(good, schema=1), "schema")
     check(with_header(good, mode="logits"), "mode")
     check(good, "mode", expect=TapExpectation(mode="ids"))
     check(with_header(good, dtype="int8"), "dtype")
@@ -208,6 +213,55 @@ def test_every_reason_is_reachable() -> None:
     check(with_data(good, 4, nan.numpy().tobytes()), "nonfinite")
     assert decode(with_data(good, 4, nan.numpy().tobytes()), limits=TapLimits(check_finite=False))
     assert seen == set(REASONS)
+
+
+# ---------------------------------------------------------------------- schema versions
+PRE_NORM = r"schema version 1.*pre-norm definition.*BEFORE the target's final norm.*re-recorded"
+
+
+def test_messages_say_schema_2_behind_the_unchanged_magic() -> None:
+    frames = encode(make_msg())
+    assert SCHEMA_VERSION == 2 and MAGIC == b"codraft.tap.v1" == bytes(frames[0])
+    wire = msgpack.unpackb(bytes(frames[1][:-4]))
+    assert wire["schema"] == 2 and type(wire["schema"]) is int
+    assert decode(frames).header.schema == 2
+    msg = make_msg()
+    with pytest.raises(ValueError, match="schema 2 only"):
+        TapMessage(replace(msg.header, schema=1), msg.token_ids, msg.loss_mask, msg.taps,
+                   msg.last_hidden)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["full", "ids"])
+def test_schema_1_messages_are_refused_as_pre_norm(mode: str) -> None:
+    """Schema 1 has the same frames and fields; only the meaning of frame 4 differs, so the
+    header's version is all a reader can go by, and its error must say what to do."""
+    old = with_header(encode(make_msg(mode=mode)), schema=1)
+    e = reject(old, "schema")
+    assert re.search(PRE_NORM, str(e)), str(e)
+
+
+def test_a_schema_1_reader_refuses_schema_2_for_its_schema(monkeypatch) -> None:
+    """A reader of schema 1 differs from this one by its version number only: it gets past the
+    (unchanged) magic and refuses on the header's version, reason "schema", not "magic"."""
+    frames = encode(make_msg())
+    monkeypatch.setattr(message_mod, "SCHEMA_VERSION", 1)
+    monkeypatch.setattr(message_mod, "RETIRED_SCHEMAS", {})
+    e = reject(frames, "schema")
+    assert "schema version 2, this reader understands 1 only" in str(e)
+
+
+def test_schema_1_recording_is_refused_as_pre_norm(tmp_path: Path) -> None:
+    with TapWriter(tmp_path) as w:
+        for i in range(2):
+            w.write_frames(with_header(encode(make_msg(seed=i)), schema=1))
+    (file,) = w.files
+    with pytest.raises(TapRejected, match=PRE_NORM) as info:
+        list(read_taps(tmp_path))
+    assert info.value.reason == "schema" and f"{file.name}, record 0" in str(info.value)
+    with pytest.raises(TapRejected, match=PRE_NORM):
+        next(iter(TapDataset(tmp_path, loop=True)))
+    ds = TapDataset(tmp_path, on_reject="skip")
+    assert list(ds) == [] and ds.stats.rejected == {"schema": 2}
 
 
 def test_tap_layer_and_dtype_expectations_do_not_apply_to_ids_mode() -> None:

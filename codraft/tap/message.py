@@ -1,25 +1,40 @@
-"""The `codraft.tap.v1` message: the target's features for one finished request.
+"""The `codraft.tap.v1` message, schema 2: the target's features for one finished request.
 
 One message is a list of six frames (ZeroMQ multipart on the stream, length-prefixed records in
 recorded files; see `recording.py`). All numbers are little-endian.
 
   0  b"codraft.tap.v1"
-  1  header: a msgpack map with exactly the fields of `TapHeader`, followed by 4 bytes: the crc32
-     (zlib) of those msgpack bytes, so a damaged header is caught like damaged data
+  1  header: a msgpack map with exactly the fields of `TapHeader` (`schema`: 2), followed by 4
+     bytes: the crc32 (zlib) of those msgpack bytes, so a damaged header is caught like damaged
+     data
   2  token ids    int32  [T]
-  3  taps         dtype  [T, n_taps * H]   (tap layers concatenated in header order; empty frame
-                                            in "ids" mode)
-  4  last hidden  dtype  [T, H]            (residual stream after the last layer, before the
-                                            final norm; empty frame in "ids" mode)
+  3  taps         dtype  [T, n_taps * H]   (tap k: the residual stream after k decoder layers,
+                                            before any final norm; tap layers concatenated in
+                                            header order; empty frame in "ids" mode)
+  4  last hidden  dtype  [T, H]            (the target's final hidden state AFTER the final
+                                            norm: the lm_head's input, what vLLM's forward
+                                            returns; empty frame in "ids" mode)
   5  loss mask    uint8  [T]               (1: a token the draft learns on, usually a completion
                                             token; 0: a prompt token)
+
+Schema versions (the header's `schema` field). 2: frame 4 as above, so the teacher's logits are
+lm_head(last hidden). 1 (retired): the same frames and header fields, but frame 4 held the
+residual stream after the last layer BEFORE the final norm. Nothing in a message's bytes tells
+the two apart except `schema`, so a reader refuses every version but its own (reason "schema"),
+and schema-1 messages and recordings are refused with the advice to record them again.
+
+Why the magic stays b"codraft.tap.v1": it names the framing (six frames, a crc-sealed msgpack
+header), which schema 2 keeps, and not the schema. Keeping it lets a reader of another schema
+get as far as the header and refuse with reason "schema" (counted and reported as a version
+mismatch) instead of "magic" (not a codraft message at all); recorded files keep their file
+magic for the same reason, and every record in them is checked like a streamed message.
 
 `header.crc32` holds the crc32 of frames 2..5 (0 for an empty frame). `encode` sends contiguous
 CPU tensors without copying them (memoryviews over their storage; bf16 as raw 16-bit words);
 `decode` checks everything a sender could get wrong before it allocates anything, and raises
 `TapRejected` with a short machine-readable `reason` (one of `REASONS`) on the first problem.
-There is no pickle anywhere: a message is plain bytes. A v1 reader rejects unknown header fields;
-a new field means a new schema version.
+There is no pickle anywhere: a message is plain bytes. A reader rejects unknown header fields; a
+new field, or a new meaning of a frame, means a new schema version.
 """
 
 from __future__ import annotations
@@ -36,7 +51,16 @@ import msgpack
 import torch
 
 MAGIC = b"codraft.tap.v1"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Versions once written whose data a reader of SCHEMA_VERSION must not take: why, for the error.
+RETIRED_SCHEMAS: dict[int, str] = {
+    1: (
+        "it was recorded with the pre-norm definition of the last hidden state (frame 4: the "
+        "residual stream BEFORE the target's final norm; schema 2 carries the final hidden state "
+        "AFTER it, the lm_head's input). Such taps must be re-recorded, and a server sending them "
+        "upgraded, with a codraft that writes schema 2"
+    ),
+}
 NUM_FRAMES = 6
 MODES = ("full", "ids")
 DTYPES: dict[str, torch.dtype] = {
@@ -48,8 +72,8 @@ REASONS = (
     "frames",  # not a list of 6 bytes-like frames
     "magic",  # first frame is not b"codraft.tap.v1"
     "size",  # over a TapLimits bound (tokens, bytes, hidden size, tap count)
-    "header",  # header not a msgpack map of exactly the v1 fields with valid values
-    "schema",  # another schema version
+    "header",  # header not a msgpack map of exactly the TapHeader fields with valid values
+    "schema",  # another schema version (schema 1: pre-norm last hidden, re-record)
     "mode",  # mode not "full"/"ids", or not the expected one
     "dtype",  # dtype not float32/bfloat16/float16, or not the expected one
     "fingerprint",  # another target family than expected
@@ -115,7 +139,8 @@ DEFAULT_LIMITS = TapLimits()
 
 @dataclass(frozen=True)
 class TapHeader:
-    """Header of a tap message. `crc32` is filled by `encode`; `created` is Unix seconds."""
+    """Header of a tap message. `crc32` is filled by `encode`; `created` is Unix seconds;
+    `schema` is always SCHEMA_VERSION (a message of another schema is never built or decoded)."""
 
     request_id: str = ""
     fingerprint: str = ""
@@ -151,8 +176,9 @@ class TapHeader:
 
 @dataclass
 class TapMessage:
-    """Header plus tensors. Shapes: token_ids int32 [T], taps [T, n_taps*H], last_hidden [T, H]
-    (both None in "ids" mode, else of `header.dtype`), loss_mask uint8 [T] of 0/1."""
+    """Header plus tensors. Shapes: token_ids int32 [T], taps [T, n_taps*H] (before any final
+    norm), last_hidden [T, H] (the final hidden state after the final norm; both None in "ids"
+    mode, else of `header.dtype`), loss_mask uint8 [T] of 0/1."""
 
     header: TapHeader
     token_ids: torch.Tensor
@@ -187,7 +213,9 @@ class TapMessage:
     ) -> TapMessage:
         """Build a consistent message. Mode is "full" when taps and last_hidden are given, "ids"
         when neither is (then pass hidden_size, and dtype if not float32, to describe the
-        target). loss_mask defaults to 0 on the first prompt_len tokens and 1 after them."""
+        target). last_hidden is the target's final hidden state AFTER its final norm (the
+        lm_head's input), taps the pre-norm residual streams of the tap layers. loss_mask
+        defaults to 0 on the first prompt_len tokens and 1 after them."""
         ids = torch.as_tensor(token_ids)
         if ids.is_floating_point() or ids.dtype == torch.bool or ids.dim() != 1:
             raise ValueError(
@@ -259,6 +287,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def check_message(msg: TapMessage) -> None:
     """Raise ValueError when the tensors do not fit the header (a sender-side bug)."""
     h = msg.header
+    if h.schema != SCHEMA_VERSION:
+        raise ValueError(
+            f"header schema {h.schema!r}: this codraft writes and reads schema {SCHEMA_VERSION} "
+            "only (frame 4 is the final hidden state after the final norm)"
+        )
     if h.mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {h.mode!r}")
     if h.dtype not in DTYPES:
@@ -365,14 +398,17 @@ def _parse_header(buf: memoryview, limits: TapLimits) -> TapHeader:
         raise TapRejected("header", f"header must be a msgpack map, got {type(obj).__name__}")
     schema = obj.get("schema")
     if type(schema) is int and schema != SCHEMA_VERSION:
-        raise TapRejected(
-            "schema", f"schema version {schema}, this reader understands {SCHEMA_VERSION} only"
-        )
+        detail = f"schema version {schema}, this reader understands {SCHEMA_VERSION} only"
+        if schema in RETIRED_SCHEMAS:
+            detail += f": {RETIRED_SCHEMAS[schema]}"
+        raise TapRejected("schema", detail)
     missing = sorted(set(_FIELD_TYPES) - set(obj))
     unknown = sorted(set(obj) - set(_FIELD_TYPES))
     if missing or unknown:
         raise TapRejected(
-            "header", f"header fields differ from v1: missing {missing}, unknown {unknown[:8]}"
+            "header",
+            f"header fields differ from schema {SCHEMA_VERSION}'s: missing {missing}, "
+            f"unknown {unknown[:8]}",
         )
     for key, types in _FIELD_TYPES.items():
         if type(obj[key]) not in types:

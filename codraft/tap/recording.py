@@ -1,4 +1,4 @@
-"""Recorded tap files: the `codraft.tap.v1` frames of many messages, one file after another.
+"""Recorded tap files: the `codraft.tap.v1` frames (schema 2) of many messages, one after another.
 
 A file is `FILE_MAGIC` followed by records; a record is one encoded message (the very frames the
 stream carries, see `message.py`), each frame length-prefixed, little-endian:
@@ -16,6 +16,11 @@ ends inside a record (truncated copy, disk full) or whose framing is broken is r
 logged warning and counted in `ReadStats.damaged`, and reading goes on with the next file; pass
 strict=True to raise `TapFileError` instead. A record whose frames fail `decode` raises
 `TapRejected` (on_reject="raise", the default) or is counted by reason and skipped ("skip").
+
+The file magic names the framing only; each record's header carries its schema version, checked
+by `decode` like a streamed message's. A recording made with schema 1 (last hidden state before
+the final norm) is therefore refused at its first record with reason "schema", an error that
+names the file and record and says to record the taps again.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ _FEATURES = ("taps", "last_hidden", "teacher_logits")
 @dataclass
 class Sample:
     """One document. token_ids int [T]; loss_mask [T] of 0/1 (None: learn on every token);
-    taps [T, n_taps*H], last_hidden [T, H], teacher_logits [T, V'] optional. `cursor` is an
+    taps [T, n_taps*H] (pre-norm residual streams), last_hidden [T, H] (the target's final
+    hidden state, after the final norm), teacher_logits [T, V'] optional. `cursor` is an
     opaque resume token, the data position just after this sample (e.g. a TapPosition dict)."""
 
     token_ids: torch.Tensor
@@ -93,8 +94,8 @@ class PackedBatch:
 
     input_ids int64 [N]; positions int64 [N] (0.. per document); cu_seqlens int32 [docs + 1]
     (padded boundaries); loss_mask uint8 [N] (0 on padding); doc_lens int32 [docs] (before
-    padding); taps [N, n_taps*H], last_hidden [N, H], teacher_logits [N, V'] or None (zero on
-    padding); cursor: the cursor of the last document (resume point after this batch).
+    padding); taps [N, n_taps*H], last_hidden [N, H] (post-norm), teacher_logits [N, V'] or None
+    (zero on padding); cursor: the cursor of the last document (resume point after this batch).
     """
 
     input_ids: torch.Tensor

@@ -4,7 +4,9 @@ The learner binds; servers connect their PUSH sockets (several learner ranks eac
 port and the servers' PUSH sockets spread messages over them round-robin). Every field is
 checked by `codraft.tap.decode` against the configured target (schema, fingerprint, tap layers,
 hidden size, vocab, shapes, dtype, crc, size limits); a rejected message is counted by reason and
-logged (rate-limited), never fatal. ZeroMQ's own MAXMSGSIZE drops oversized frames before they
+logged (rate-limited), never fatal. A server that sends another tap schema has every message
+counted under "schema" (schema 1, whose last hidden state is taken before the final norm, with
+the log saying so). ZeroMQ's own MAXMSGSIZE drops oversized frames before they
 are allocated.
 """
 
