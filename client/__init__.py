@@ -1,4 +1,4 @@
-"""Python client of the codraft control API (DESIGN.md section 8), and CLI subcommands.
+"""Python client of the codraft control API (docs/architecture.md, Contracts), and CLI subcommands.
 
     from client import CodraftClient
     with CodraftClient("http://127.0.0.1:8000") as c:   # token: argument or $CODRAFT_CONTROL_TOKEN

@@ -1,4 +1,4 @@
-"""The control API's wire schemas, as the client sees them (DESIGN.md section 8).
+"""The control API's wire schemas, as the client sees them (docs/architecture.md, Contracts).
 
 Responses are parsed leniently: unknown fields are kept (`model_extra`), missing ones are None,
 so a server that adds a field does not break an older client. Requests are strict: what the

@@ -1,5 +1,5 @@
 """The pipeline trainer: the draft trained on ids-only data, with the target's features
-recomputed across `pp` pipeline stages (`codraft learn --pp N [--cp M]`; DESIGN.md section 6).
+recomputed across `pp` pipeline stages (`codraft learn --pp N [--cp M]`; docs/pipeline.md).
 Start under torchrun:
 
     torchrun --nproc-per-node 4 -m learner.cli --from-dir taps/ --target smollm2 \

@@ -1,6 +1,6 @@
 """EAGLE-3 training-time test (TTT): K unrolled draft passes over a packed THD batch, and the loss.
 
-Conventions (DESIGN.md section 4), with passes numbered d = 1..K:
+Conventions (docs/architecture.md, Training), with passes numbered d = 1..K:
 
 * pass 1 at anchor i reads ``cat(e(x[i+1]), fc(taps[i]))``; pass d > 1 reads
   ``cat(e(x[i+d]), h[d-1][i])`` where ``h[d-1]`` is pass d-1's output before the final norm

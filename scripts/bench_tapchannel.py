@@ -1,8 +1,8 @@
 """Benchmark the target pipeline's step time with TapChannel on and off.
 
-"off": the pipeline alone (no taps requested). "on": the same pipeline while every tap-making
-stage puts its taps on TapChannel and the last stage takes them (the draft's input). The
-difference is what tap traffic costs the pipeline; DESIGN.md section 6 asks for none beyond the
+"off": the pipeline alone (no taps requested). "on": the same pipeline while every tap-making stage
+puts its taps on TapChannel and the last stage takes them (the draft's input). The difference is
+what tap traffic costs the pipeline; docs/architecture.md (Parallelism) asks for none beyond the
 bytes themselves, since taps travel over their own process groups into pre-posted landing slots.
 
 The target is a random Llama-shaped model built stage by stage on the device (no weights file):

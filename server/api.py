@@ -1,4 +1,4 @@
-"""The codraft control API: draft swaps, policy updates, the tap, probes (DESIGN.md section 8).
+"""The codraft control API: draft swaps, policy updates, the tap, probes (docs/architecture.md).
 
 Every route is a thin layer over one `collective_rpc` method of the worker extension
 (`server.worker_ext.CodraftWorkerExtension`); rank 0's reply is the answer. A reply

@@ -100,7 +100,7 @@ class HookTimes:
     """Host time spent in codraft's wrappers, for the per-step cost of capture."""
 
     steps: int = 0
-    record_ns: int = 0  # execute_model: record + gather + copy launch
+    record_ns: int = 0  # execute_model, after the forward: the record and the row gather
     deliver_ns: int = 0  # sampled tokens handed to the listener
 
     def to_dict(self) -> dict[str, float | int]:
@@ -114,7 +114,8 @@ class HookTimes:
 
 # ---------------------------------------------------------------------------- runners
 def runner_kind(runner: Any) -> str:
-    """ "v2" for vLLM's V2 model runner (and its CPU subclass), "v1" for the V1 runner."""
+    """Which of vLLM's model runners this is: "v2" (the V2 runner or its CPU subclass) or
+    "v1" (the V1 runner or its CPU subclass)."""
     try:
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
     except ImportError:

@@ -4,9 +4,9 @@ Supported `model_type`s: llama (incl. SmolLM2), qwen2 (q/k/v bias), qwen3 (q/k R
 head_dim), mistral (sliding window). Both spellings of the rotary settings are understood: the
 transformers-4 `rope_theta` + `rope_scaling` keys and the transformers-5 `rope_parameters` dict.
 
-Tap convention (see DESIGN.md section 3): tap k is the residual stream after k decoder layers,
-before the final norm; tap 0 is the token embeddings, tap L the output of the last layer. The
-final hidden state (`last_hidden` of the model and of a tap message) is not a tap: it is taken
+Tap convention (docs/architecture.md, Contracts): tap k is the residual stream after k decoder
+layers, before the final norm; tap 0 is the token embeddings, tap L the output of the last layer.
+The final hidden state (`last_hidden` of the model and of a tap message) is not a tap: it is taken
 after the final norm, so it equals norm(tap L).
 """
 

@@ -1,7 +1,7 @@
-"""The tap wire format `codraft.tap.v1`, schema 2 (DESIGN.md section 7), shared by the ZeroMQ
-stream and recorded tap files: one message definition, `encode`/`decode`, and the file format
-around it. Schema 2: the last hidden state is the target's final hidden state after the final
-norm; schema-1 data (before the final norm) is refused."""
+"""The tap wire format `codraft.tap.v1`, schema 2 (docs/architecture.md, Contracts), shared by the
+ZeroMQ stream and recorded tap files: one message definition, `encode`/`decode`, and the file format
+around it. Schema 2: the last hidden state is the target's final hidden state after the final norm;
+schema-1 data (before the final norm) is refused."""
 
 from codraft.tap.fingerprint import FINGERPRINT_FIELDS, model_fingerprint
 from codraft.tap.message import (

@@ -1,7 +1,8 @@
 """Branch attention for EAGLE-3 training-time test (TTT), as one autograd Function.
 
-TTT runs K passes of a one-layer draft. Pass index p is 0-based here (pass p is DESIGN's pass
-p + 1; p = 0 is the trunk). The query of pass p at anchor position i sees
+TTT runs K passes of a one-layer draft. Pass index p is 0-based here (pass p is
+docs/architecture.md's pass p + 1; p = 0 is the trunk). The query of pass p at anchor position i
+sees
 
 * (a) the trunk: pass 0's keys/values at positions 0..i of its own document (causal), and
 * (b) the branch: its own anchor's keys/values from passes 1..p (a diagonal, same position i).

@@ -14,9 +14,9 @@ folder (a real run, where no process holds the whole target).
 Parameter names stay the target's (`layers.5.mlp.up_proj.weight`, `norm.weight`), so a stage's
 state dict is a slice of the model's.
 
-Taps (DESIGN.md section 3): tap k is the residual stream after k decoder layers, before any final
-norm (tap L too). It is made on the stage that runs layer k (0-based layer index k-1); tap 0, the
-embeddings, on stage 0.
+Taps (docs/architecture.md, Contracts): tap k is the residual stream after k decoder layers, before
+any final norm (tap L too). It is made on the stage that runs layer k (0-based layer index k-1); tap
+0, the embeddings, on stage 0.
 """
 
 from __future__ import annotations
