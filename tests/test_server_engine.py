@@ -801,20 +801,24 @@ def test_stop_rule_matches_the_scheduler() -> None:
 
 
 def test_tap_buffer_keeps_rows_by_position() -> None:
+    import numpy as np
+
     from server.capture import TapBuffer
 
-    def rows(a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ids = torch.arange(a, b, dtype=torch.int32)
-        return ids, ids[:, None].float().expand(-1, 6), ids[:, None].float().expand(-1, 2)
+    def rows(a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.arange(a, b, dtype=np.int32)
+        return ids, np.repeat(ids[:, None, None], 3, axis=1).astype(np.int16)  # [n, T + 1, H=1]
 
-    buf = TapBuffer("full")
+    buf = TapBuffer(state=None)  # type: ignore[arg-type]
     buf.put(0, *rows(0, 5))
     buf.put(5, *rows(5, 8))
-    pos, ids, taps, last = buf.take(4)  # a chunk went out
-    assert pos == 0 and ids.tolist() == [0, 1, 2, 3] and taps.shape == (4, 6)
+    pos, ids, feats = buf.take(4)  # a chunk went out
+    assert pos == 0 and ids.tolist() == [0, 1, 2, 3] and feats.shape == (4, 3, 1)
+    assert feats[:, 0, 0].tolist() == [0, 1, 2, 3]
     buf.put(0, *rows(0, 10))  # recomputed after preemption: sent rows skipped, others replaced
     assert (buf.base, buf.length) == (4, 6)
-    assert torch.cat(buf.ids).tolist() == list(range(4, 10))
+    assert np.concatenate(buf.ids).tolist() == list(range(4, 10))
+    assert np.concatenate(buf.feats)[:, 2, 0].tolist() == list(range(4, 10))
     buf.put(12, *rows(12, 13))  # a gap: rows 10, 11 were never computed
     assert buf.broken is not None
 
