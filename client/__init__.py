@@ -1,16 +1,16 @@
 """Python client of the codraft control API (docs/architecture.md, Contracts), and CLI subcommands.
 
-    from client import CodraftClient
+    from codraft.client import CodraftClient
     with CodraftClient("http://127.0.0.1:8000") as c:   # token: argument or $CODRAFT_CONTROL_TOKEN
         c.wait_ready()
         c.publish_draft(5, "/ckpt/draft-v5")  # or load_draft: the same swap in one call
 
-Generation goes through the official `openai` package: see `client.openai_helpers` (imported
+Generation goes through the official `openai` package: see `codraft.client.openai_helpers` (imported
 on its own, so this package does not need openai).
 """
 
-from client.client import AsyncCodraftClient, CodraftClient
-from client.errors import (
+from codraft.client.client import AsyncCodraftClient, CodraftClient
+from codraft.client.errors import (
     CodraftConnectionError,
     CodraftError,
     CodraftHTTPError,
@@ -22,7 +22,7 @@ from client.errors import (
     Unauthorized,
     UnexpectedResponse,
 )
-from client.models import (
+from codraft.client.models import (
     Acceptance,
     DraftInfo,
     DraftStaged,
@@ -32,7 +32,7 @@ from client.models import (
     TapInfo,
     TapStats,
 )
-from client.retry import NO_RETRY, RetryPolicy
+from codraft.client.retry import NO_RETRY, RetryPolicy
 
 __all__ = [
     "Acceptance",

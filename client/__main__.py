@@ -1,5 +1,5 @@
-"""`python -m client status|draft|policy|tap ...`: the client subcommands of `codraft`."""
+"""`python -m codraft.client status|draft|policy|tap ...`: the client subcommands of `codraft`."""
 
-from client.commands import main
+from codraft.client.commands import main
 
 raise SystemExit(main())

@@ -14,8 +14,8 @@ from typing import Any, Generic, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from client.errors import InvalidRequest, UnexpectedResponse, http_error
-from client.models import (
+from codraft.client.errors import InvalidRequest, UnexpectedResponse, http_error
+from codraft.client.models import (
     DraftInfo,
     DraftLoad,
     DraftPrepare,
@@ -27,8 +27,8 @@ from client.models import (
     TapInfo,
     TapUpdate,
 )
-from client.prom import parse_metrics
-from client.retry import RetryPolicy
+from codraft.client.prom import parse_metrics
+from codraft.client.retry import RetryPolicy
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)

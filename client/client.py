@@ -5,9 +5,9 @@
         print(c.draft().version)
         c.publish_draft(5, "/ckpt/draft-v5", sha256="...")  # prepare ahead, then swap
 
-Both share everything but the sending (see `client.calls`): the same requests, retries (GET
-only, on no answer or 5xx; `RetryPolicy`), errors (`client.errors`) and typed answers
-(`client.models`). The token comes from `token` or $CODRAFT_CONTROL_TOKEN and goes out as
+Both share everything but the sending (see `codraft.client.calls`): the same requests, retries (GET
+only, on no answer or 5xx; `RetryPolicy`), errors (`codraft.client.errors`) and typed answers
+(`codraft.client.models`). The token comes from `token` or $CODRAFT_CONTROL_TOKEN and goes out as
 `Authorization: Bearer <token>` on every request.
 """
 
@@ -20,12 +20,12 @@ from typing import Any, TypeVar
 
 import httpx
 
-from client import calls
-from client.calls import Call
-from client.errors import CodraftConnectionError, CodraftHTTPError, NotFound, NotReady
-from client.models import DraftInfo, DraftStaged, Health, PolicyInfo, Ready, TapInfo
-from client.retry import NO_RETRY, RetryPolicy
-from client.settings import resolve_base_url, resolve_token
+from codraft.client import calls
+from codraft.client.calls import Call
+from codraft.client.errors import CodraftConnectionError, CodraftHTTPError, NotFound, NotReady
+from codraft.client.models import DraftInfo, DraftStaged, Health, PolicyInfo, Ready, TapInfo
+from codraft.client.retry import NO_RETRY, RetryPolicy
+from codraft.client.settings import resolve_base_url, resolve_token
 
 T = TypeVar("T")
 USER_AGENT = "codraft-client/0.1"

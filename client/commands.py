@@ -16,17 +16,17 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from client.client import CodraftClient
-from client.errors import (
+from codraft.client.client import CodraftClient
+from codraft.client.errors import (
     CodraftConnectionError,
     CodraftError,
     CodraftHTTPError,
     InvalidRequest,
     NotReady,
 )
-from client.models import DraftInfo, TapInfo
-from client.settings import DEFAULT_SERVER, SERVER_ENV, TOKEN_ENV, read_token_file
-from client.status import collect_status, render
+from codraft.client.models import DraftInfo, TapInfo
+from codraft.client.settings import DEFAULT_SERVER, SERVER_ENV, TOKEN_ENV, read_token_file
+from codraft.client.status import collect_status, render
 
 OK, REFUSED, USAGE, UNREACHABLE = 0, 1, 2, 3
 Command = Callable[[argparse.Namespace], int]
@@ -327,7 +327,7 @@ def _tap_set(client: CodraftClient, args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------ standalone
 def build_parser() -> argparse.ArgumentParser:
-    """The client subcommands alone (`python -m client ...`); `codraft` has them too."""
+    """The client subcommands alone (`python -m codraft.client ...`); `codraft` has them too."""
     p = argparse.ArgumentParser(prog="codraft", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     commands: dict[str, Command] = {}

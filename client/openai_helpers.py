@@ -20,7 +20,7 @@ import openai
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from client.settings import resolve_base_url
+from codraft.client.settings import resolve_base_url
 
 DRAFT_VERSION_HEADER = "x-codraft-draft-version"
 POLICY_VERSION_HEADER = "x-codraft-policy-version"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from client.errors import InvalidRequest
+from codraft.client.errors import InvalidRequest
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 SERVER_ENV = "CODRAFT_SERVER"

@@ -7,9 +7,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from client.client import CodraftClient
-from client.errors import CodraftConnectionError, CodraftError, CodraftHTTPError
-from client.models import DraftInfo, Health, Ready, TapInfo
+from codraft.client.client import CodraftClient
+from codraft.client.errors import CodraftConnectionError, CodraftError, CodraftHTTPError
+from codraft.client.models import DraftInfo, Health, Ready, TapInfo
 
 
 @dataclass

@@ -29,23 +29,23 @@ def _tiny(args: argparse.Namespace) -> int:
 
 
 def _learn(args: argparse.Namespace) -> int:
-    from learner.cli import main as learn_main
+    from codraft.learner.cli import main as learn_main
 
     return learn_main(args)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from server.generate import main as generate_main
+    from codraft.server.generate import main as generate_main
 
     return generate_main(args)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from server.vllm_env import ensure_cpu_preload
+    from codraft.server.vllm_env import ensure_cpu_preload
 
     ensure_cpu_preload()  # re-executes once with Intel OpenMP preloaded (CPU machines)
-    from server.serve import main as serve_main
-    from server.serve_config import config_from_args
+    from codraft.server.serve import main as serve_main
+    from codraft.server.serve_config import config_from_args
 
     try:
         cfg = config_from_args(args, args._extra)
@@ -56,8 +56,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _record(args: argparse.Namespace) -> int:
-    from server.record import config_from_args
-    from server.record import main as record_main
+    from codraft.server.record import config_from_args
+    from codraft.server.record import main as record_main
 
     return record_main(config_from_args(args))
 
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--seed", type=int, default=0)
     commands["tiny-model"] = _tiny
 
-    from server.generate import add_arguments as add_generate_arguments
+    from codraft.server.generate import add_arguments as add_generate_arguments
 
     sp = sub.add_parser(
         "generate",
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_arguments(sp)
     commands["generate"] = _generate
 
-    from server.serve_config import add_arguments as add_serve_arguments
+    from codraft.server.serve_config import add_arguments as add_serve_arguments
 
     sp = sub.add_parser(
         "serve",
@@ -100,19 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(sp)
     commands["serve"] = _serve
 
-    from server.record import add_arguments as add_record_arguments
+    from codraft.server.record import add_arguments as add_record_arguments
 
     sp = sub.add_parser("record", help="write a server's tap stream to tap files")
     add_record_arguments(sp)
     commands["record"] = _record
 
-    from learner.cli import add_arguments as add_learn_arguments
+    from codraft.learner.cli import add_arguments as add_learn_arguments
 
     sp = sub.add_parser("learn", help="train an EAGLE-3 draft (offline: --from-dir tap files)")
     add_learn_arguments(sp)
     commands["learn"] = _learn
 
-    from client.commands import add_client_commands
+    from codraft.client.commands import add_client_commands
 
     add_client_commands(sub, commands)
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import torch
 
 from codraft.draft.model import Eagle3Draft
-from learner.attention.pass_attention import pass_attention
-from learner.data.packing import Sample, pack
-from learner.teacher import Teacher
-from learner.ttt import draft_passes
+from codraft.learner.attention.pass_attention import pass_attention
+from codraft.learner.data.packing import Sample, pack
+from codraft.learner.teacher import Teacher
+from codraft.learner.ttt import draft_passes
 
 
 @dataclass

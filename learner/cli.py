@@ -15,13 +15,13 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from learner.offline import OfflineConfig
-from learner.parallel.launch import ParallelConfig
-from learner.pipeline_trainer import PipelineTrainConfig
-from learner.trainer import TrainConfig
+from codraft.learner.offline import OfflineConfig
+from codraft.learner.parallel.launch import ParallelConfig
+from codraft.learner.pipeline_trainer import PipelineTrainConfig
+from codraft.learner.trainer import TrainConfig
 
 if TYPE_CHECKING:
-    from learner.online.daemon import OnlineConfig
+    from codraft.learner.online.daemon import OnlineConfig
 
 OFFLINE_STEPS = 500  # --steps when not given, offline (online runs until stopped)
 
@@ -131,7 +131,7 @@ def _token(args: argparse.Namespace) -> str | None:
 
 
 def online_config_from_args(args: argparse.Namespace) -> OnlineConfig:
-    from learner.online.daemon import OnlineConfig
+    from codraft.learner.online.daemon import OnlineConfig
 
     return OnlineConfig(
         server=args.server,
@@ -157,14 +157,14 @@ def main(args: argparse.Namespace) -> int:
     if args.pp > 1:
         if not args.from_dir:
             raise SystemExit("codraft learn --pp needs --from-dir (ids-only or full tap files)")
-        from learner.pipeline_trainer import train_pipeline
+        from codraft.learner.pipeline_trainer import train_pipeline
 
         result = train_pipeline(offline_config_from_args(args), pipeline_config_from_args(args))
         if "steps" in result:  # the rank that logs and checkpoints
             print(json.dumps(result, indent=2))
         return 0
     if args.from_dir:
-        from learner.offline import train_from_dir
+        from codraft.learner.offline import train_from_dir
 
         print(json.dumps(train_from_dir(offline_config_from_args(args)), indent=2))
         return 0
@@ -173,7 +173,7 @@ def main(args: argparse.Namespace) -> int:
             "codraft learn --server runs as one process for now (one GPU or CPU); context and "
             "pipeline parallelism work offline: torchrun ... codraft learn --from-dir DIR --cp N"
         )
-    from learner.online.daemon import OnlineLearner
+    from codraft.learner.online.daemon import OnlineLearner
 
     learner = OnlineLearner(online_config_from_args(args))
     learner.install_signal_handlers()
@@ -181,7 +181,8 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":  # `python -m learner.cli ...`: the learner alone (torch-only hosts)
+# `python -m codraft.learner.cli ...`: the learner alone (torch-only hosts)
+if __name__ == "__main__":
     import sys
 
     _parser = argparse.ArgumentParser(prog="codraft learn")

@@ -5,8 +5,8 @@ full-mode messages carry the target's taps and last hidden state; ids-only messa
 trainer recompute them with the target (`TrainConfig.recompute`, or automatically). Training
 resumes from the newest checkpoint in the output folder, data position included, so a killed run
 continues where it stopped. Each checkpoint's `draft/` folder is an EAGLE-3 checkpoint stock vLLM
-loads. `OfflineConfig` says what to run; `train_from_dir` runs it (learner.cli builds the config
-from the command line).
+loads. `OfflineConfig` says what to run; `train_from_dir` runs it (codraft.learner.cli builds the
+config from the command line).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from codraft.learner.data.packing import Sample, pack_stream
+from codraft.learner.parallel.context import ContextParallel
+from codraft.learner.parallel.launch import ParallelConfig, init_distributed, my_batches, shutdown
+from codraft.learner.trainer import StepMetrics, TrainConfig, Trainer
 from codraft.models.config import TargetConfig
 from codraft.prepare import resolve_model
 from codraft.tap import TapDataset, TapExpectation, model_fingerprint, read_taps
-from learner.data.packing import Sample, pack_stream
-from learner.parallel.context import ContextParallel
-from learner.parallel.launch import ParallelConfig, init_distributed, my_batches, shutdown
-from learner.trainer import StepMetrics, TrainConfig, Trainer
 
 log = logging.getLogger("codraft.learn")
 

@@ -2,7 +2,7 @@
 recomputed across `pp` pipeline stages (`codraft learn --pp N [--cp M]`; docs/pipeline.md).
 Start under torchrun:
 
-    torchrun --nproc-per-node 4 -m learner.cli --from-dir taps/ --target smollm2 \
+    torchrun --nproc-per-node 4 -m codraft.learner.cli --from-dir taps/ --target smollm2 \
         --out ck/ --pp 4 --microbatches 8
 
 Every rank loads only its stage of the target (`load_stage`). Per pipeline, the last stage owns
@@ -33,22 +33,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from codraft.learner.data.packing import PackedBatch, pack_stream
+from codraft.learner.offline import OfflineConfig, samples, tap_expectation, token_counts
+from codraft.learner.parallel.batch_broadcast import broadcast_batch
+from codraft.learner.parallel.draft_stage import DraftStage
+from codraft.learner.parallel.launch import init_distributed, shutdown
+from codraft.learner.parallel.mesh import ParallelMesh
+from codraft.learner.parallel.pipeline import Pipeline, PipelineConfig
+from codraft.learner.parallel.pipeline_mesh import PipelineGroups
+from codraft.learner.parallel.pp_cp import FeatureCollector, cp_draft_step
+from codraft.learner.parallel.stage import load_stage, split_layers
+from codraft.learner.parallel.tapchannel import TapChannelConfig
+from codraft.learner.teacher import Teacher
+from codraft.learner.trainer import StepMetrics, TrainConfig, Trainer
 from codraft.models.config import TargetConfig
 from codraft.prepare import resolve_model
 from codraft.tap import TapDataset
-from learner.data.packing import PackedBatch, pack_stream
-from learner.offline import OfflineConfig, samples, tap_expectation, token_counts
-from learner.parallel.batch_broadcast import broadcast_batch
-from learner.parallel.draft_stage import DraftStage
-from learner.parallel.launch import init_distributed, shutdown
-from learner.parallel.mesh import ParallelMesh
-from learner.parallel.pipeline import Pipeline, PipelineConfig
-from learner.parallel.pipeline_mesh import PipelineGroups
-from learner.parallel.pp_cp import FeatureCollector, cp_draft_step
-from learner.parallel.stage import load_stage, split_layers
-from learner.parallel.tapchannel import TapChannelConfig
-from learner.teacher import Teacher
-from learner.trainer import StepMetrics, TrainConfig, Trainer
 
 log = logging.getLogger("codraft.learn.pp")
 
@@ -97,7 +97,7 @@ class PipelineLearner:
         self.channel = pipeline.channel
         self._cp = None
         if self.groups.is_last and mesh.dims.cp > 1:
-            from learner.parallel.context import ContextParallel
+            from codraft.learner.parallel.context import ContextParallel
 
             self._cp = ContextParallel(mesh)
 

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from codraft.learner.data.packing import PackedBatch
 from codraft.models.config import TargetConfig
 from codraft.models.llama import TargetModel, TargetOutput, load_target, safetensors_files
-from learner.data.packing import PackedBatch
 
 
 def _find_tensor(path: Path, names: Sequence[str]) -> tuple[Path, str] | None:

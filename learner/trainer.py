@@ -20,16 +20,16 @@ import torch
 from codraft.draft.checkpoint import DraftMeta
 from codraft.draft.init import new_draft
 from codraft.draft.model import Eagle3Draft
+from codraft.learner.attention.pass_attention import pass_attention
+from codraft.learner.checkpoints import CheckpointDir
+from codraft.learner.data.packing import PackedBatch
+from codraft.learner.teacher import Teacher, load_embedding
+from codraft.learner.ttt import TTTConfig, ttt_forward
 from codraft.models.config import TargetConfig
 from codraft.tap.fingerprint import model_fingerprint
-from learner.attention.pass_attention import pass_attention
-from learner.checkpoints import CheckpointDir
-from learner.data.packing import PackedBatch
-from learner.teacher import Teacher, load_embedding
-from learner.ttt import TTTConfig, ttt_forward
 
 if TYPE_CHECKING:
-    from learner.parallel.context import ContextParallel
+    from codraft.learner.parallel.context import ContextParallel
 
 
 @dataclass

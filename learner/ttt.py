@@ -10,7 +10,7 @@ Conventions (docs/architecture.md, Training), with passes numbered d = 1..K:
   restricted to the draft vocab; it counts where ``i+d`` lies in the same document and
   ``loss_mask[i+d] == 1`` (the mask marks positions whose next token the draft should learn);
 * attention: pass d's query at i sees pass 1's keys at 0..i of its document (the trunk) and its
-  own anchor's keys from passes 2..d (the branch) — see learner.attention.branch.
+  own anchor's keys from passes 2..d (the branch) — see codraft.learner.attention.branch.
 
 The loss of pass d is the soft cross-entropy summed over its valid anchors and divided by the
 *global* count of valid anchors of that pass (``reduce_counts`` all-reduces it across data/context
@@ -87,7 +87,7 @@ def roll_left(x: Tensor, shift: int, ends: Tensor, fill: float | int = 0) -> Ten
 
 class Roll(Protocol):
     """Per-document left shifts of per-token tensors: on one device (LocalRoll) or across the
-    zigzag shards of context parallelism (learner.parallel.roll.BoundaryRoll)."""
+    zigzag shards of context parallelism (codraft.learner.parallel.roll.BoundaryRoll)."""
 
     def roll_left(self, x: Tensor, shift: int, fill: float | int = 0) -> Tensor:
         """y[i] = x[i + shift] inside i's document, else fill (dim 0 is tokens)."""

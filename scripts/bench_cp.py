@@ -4,11 +4,11 @@ Every measurement runs the K sequential attention calls of one TTT step (pass d 
 trunk of pass 1 and its own anchor in passes 2..d) over one document of T tokens, then one
 backward, with the draft shape of an 8B-class target (32 / 8 heads, head dim 128, bf16).
 
-* ``overhead`` (one device): the ring code at CP = 1 (learner.attention.ring with a ring of one)
-  against the plain single-device path (learner.attention.pass_attention).
+* ``overhead`` (one device): the ring code at CP = 1 (codraft.learner.attention.ring with a ring of
+  one) against the plain single-device path (codraft.learner.attention.pass_attention).
 * ``memory`` (one device): one CP rank's share at CP = 1, 2, 4, 8, the other ranks simulated by
   LoopbackRing (same kernels, same buffers, no second GPU): memory held after the forward
-  (saved for backward) and the peak, against learner.parallel.memory's model.
+  (saved for backward) and the peak, against codraft.learner.parallel.memory's model.
 * ``ring`` (under torchrun, WORLD_SIZE > 1): the real ring over NCCL (gloo on CPU) with
   CP = world size; per-rank time and peak; with --smoke also the error against one device.
 
@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from learner.attention.pass_attention import pass_attention
-from learner.attention.ring import ring_pass_attention
-from learner.parallel import memory
-from learner.parallel.launch import ParallelConfig, init_distributed, shutdown
-from learner.parallel.ring_comm import LoopbackRing, Ring
-from learner.parallel.zigzag import ZigzagLayout, shard, zigzag_layout
+from codraft.learner.attention.pass_attention import pass_attention
+from codraft.learner.attention.ring import ring_pass_attention
+from codraft.learner.parallel import memory
+from codraft.learner.parallel.launch import ParallelConfig, init_distributed, shutdown
+from codraft.learner.parallel.ring_comm import LoopbackRing, Ring
+from codraft.learner.parallel.zigzag import ZigzagLayout, shard, zigzag_layout
 
 MIB = 2**20
 ONE = Ring.of(None)  # a ring of one rank: no communication

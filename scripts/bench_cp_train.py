@@ -1,18 +1,18 @@
 """Strong scaling of one full TTT draft training step under context parallelism (CP = world size).
 
-One step is what ``learner.trainer.Trainer.step`` does after sharding: the teacher's draft-vocab
-targets from the last hidden states (``Teacher.draft_targets``, fp32), K TTT passes of the draft
-under bf16 autocast (``ContextParallel.ttt_forward``: ring attention, boundary rolls, lm_head over
-the draft vocab, soft cross-entropy), backward, the gradient all-reduce over the CP ranks,
-clipping, AdamW and the metrics all-reduce. The draft is shaped for an 8B-class target (hidden
-4096, 32 / 8 heads of 128, MLP 14336, vocab 128256, draft vocab 32000, 3 taps). Features are
+One step is what ``codraft.learner.trainer.Trainer.step`` does after sharding: the teacher's
+draft-vocab targets from the last hidden states (``Teacher.draft_targets``, fp32), K TTT passes of
+the draft under bf16 autocast (``ContextParallel.ttt_forward``: ring attention, boundary rolls,
+lm_head over the draft vocab, soft cross-entropy), backward, the gradient all-reduce over the CP
+ranks, clipping, AdamW and the metrics all-reduce. The draft is shaped for an 8B-class target
+(hidden 4096, 32 / 8 heads of 128, MLP 14336, vocab 128256, draft vocab 32000, 3 taps). Features are
 random tensors made on each rank for its own zigzag shard (no target model runs); the target's
 head is random too. The global batch is the same at every CP (documents padded to multiples of
 16), so runs at CP = 1, 2, 4, 8 are a strong-scaling series.
 
 Methods (``--methods``):
 
-* ``ring``: the learner's CP step (``learner.parallel.context.ContextParallel``);
+* ``ring``: the learner's CP step (``codraft.learner.parallel.context.ContextParallel``);
 * ``gather``: the baseline at the same CP, the same step with another attention: each rank
   all-gathers the trunk's K/V of the whole sequence (per pass, kept for backward) and runs its
   local query chunks against the gathered keys (flash varlen blocks over each chunk's whole
@@ -66,18 +66,22 @@ from torch.distributed import ProcessGroup
 
 from codraft.draft.config import DraftConfig
 from codraft.draft.model import Eagle3Draft
-from learner.attention.block import Backend, block_backward, block_forward
-from learner.attention.pass_attention import pass_attention
-from learner.attention.ring import ring_pass_attention
-from learner.attention.ring_branch import branch_backward_into, branch_merge_into, merge_into
-from learner.data.packing import PackedBatch
-from learner.parallel.context import ContextParallel, Shard
-from learner.parallel.launch import ParallelConfig, init_distributed, shutdown
-from learner.parallel.mesh import ParallelMesh
-from learner.parallel.ring_comm import Ring
-from learner.parallel.zigzag import ZigzagLayout, all_indices, zigzag_layout
-from learner.teacher import Teacher
-from learner.ttt import PassAttention, TTTConfig, TTTOutput, ttt_forward
+from codraft.learner.attention.block import Backend, block_backward, block_forward
+from codraft.learner.attention.pass_attention import pass_attention
+from codraft.learner.attention.ring import ring_pass_attention
+from codraft.learner.attention.ring_branch import (
+    branch_backward_into,
+    branch_merge_into,
+    merge_into,
+)
+from codraft.learner.data.packing import PackedBatch
+from codraft.learner.parallel.context import ContextParallel, Shard
+from codraft.learner.parallel.launch import ParallelConfig, init_distributed, shutdown
+from codraft.learner.parallel.mesh import ParallelMesh
+from codraft.learner.parallel.ring_comm import Ring
+from codraft.learner.parallel.zigzag import ZigzagLayout, all_indices, zigzag_layout
+from codraft.learner.teacher import Teacher
+from codraft.learner.ttt import PassAttention, TTTConfig, TTTOutput, ttt_forward
 
 GIB = 2**30
 DOC_MULTIPLE = 16  # documents padded to this (2 x CP for CP <= 8): one batch for every CP

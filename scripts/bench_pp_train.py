@@ -1,8 +1,8 @@
 """Benchmark recompute-mode draft training under pipeline parallelism: TapChannel against no tap
 traffic and against host staging (issue 10).
 
-A step is `PipelineLearner.step` of learner.pipeline_trainer, what `codraft learn --pp N` runs
-per batch (cp 1, dp 1): the last stage broadcasts the batch to the stages, the target runs
+A step is `PipelineLearner.step` of codraft.learner.pipeline_trainer, what `codraft learn --pp N`
+runs per batch (cp 1, dp 1): the last stage broadcasts the batch to the stages, the target runs
 forward (no grad) over M microbatches across the N stages (`Pipeline`), the last stage trains
 the EAGLE-3 draft on every microbatch as it arrives (`DraftStage`: teacher targets from the
 stage's own head, TTT forward + backward), then clips the gradients and steps AdamW (the
@@ -33,8 +33,8 @@ were) and times the tap transfer alone (one step's taps moved with nothing else 
 
 On a host with fewer GPUs than ranks (or with --share-gpu) the ranks share the GPU(s): every
 process group is gloo and every transfer of a CUDA tensor (activations, taps, credits, the
-script's all-reduces) is staged through host memory (`learner.parallel.host_staged`). That runs
-the PP pipeline and all its checks on one GPU, but its times are not NCCL figures: the JSON's
+script's all-reduces) is staged through host memory (`codraft.learner.parallel.host_staged`). That
+runs the PP pipeline and all its checks on one GPU, but its times are not NCCL figures: the JSON's
 "transport" says which transport ran, and the output says so too.
 
     PYTHONPATH=. torchrun --standalone --nproc-per-node 2 scripts/bench_pp_train.py --smoke \
@@ -71,19 +71,19 @@ from bench_tapchannel import (  # noqa: E402
     random_stage,
 )
 
+from codraft.learner.parallel import host_staged  # noqa: E402
+from codraft.learner.parallel.draft_stage import DraftStage  # noqa: E402
+from codraft.learner.parallel.launch import ParallelConfig, init_distributed, shutdown  # noqa: E402
+from codraft.learner.parallel.microbatch import split_batch  # noqa: E402
+from codraft.learner.parallel.p2p_wait import wait_work  # noqa: E402
+from codraft.learner.parallel.pipeline import Pipeline, PipelineConfig, StageOutput  # noqa: E402
+from codraft.learner.parallel.pipeline_mesh import PipelineGroups  # noqa: E402
+from codraft.learner.parallel.stage import split_layers, taps_by_stage  # noqa: E402
+from codraft.learner.parallel.tapchannel import TapChannelConfig  # noqa: E402
+from codraft.learner.pipeline_trainer import PipelineLearner  # noqa: E402
+from codraft.learner.teacher import Teacher  # noqa: E402
+from codraft.learner.trainer import TrainConfig, Trainer  # noqa: E402
 from codraft.models.config import TargetConfig, default_tap_layers  # noqa: E402
-from learner.parallel import host_staged  # noqa: E402
-from learner.parallel.draft_stage import DraftStage  # noqa: E402
-from learner.parallel.launch import ParallelConfig, init_distributed, shutdown  # noqa: E402
-from learner.parallel.microbatch import split_batch  # noqa: E402
-from learner.parallel.p2p_wait import wait_work  # noqa: E402
-from learner.parallel.pipeline import Pipeline, PipelineConfig, StageOutput  # noqa: E402
-from learner.parallel.pipeline_mesh import PipelineGroups  # noqa: E402
-from learner.parallel.stage import split_layers, taps_by_stage  # noqa: E402
-from learner.parallel.tapchannel import TapChannelConfig  # noqa: E402
-from learner.pipeline_trainer import PipelineLearner  # noqa: E402
-from learner.teacher import Teacher  # noqa: E402
-from learner.trainer import TrainConfig, Trainer  # noqa: E402
 
 MODES = ("off", "tapchannel", "host")
 GOAL_OVERHEAD = 0.02  # (tapchannel - off) / off of the median step

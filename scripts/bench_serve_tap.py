@@ -52,7 +52,6 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 TOKEN = "bench-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -125,7 +124,7 @@ def start_server(
     log: str,
     cores: str | None = None,
 ):
-    from server.serve import ServeProcess
+    from codraft.server.serve import ServeProcess
 
     env = {**os.environ}
     if cores is not None:

@@ -29,16 +29,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from codraft.learner.data.packing import Sample, pack
+from codraft.learner.parallel import host_staged
+from codraft.learner.parallel.launch import ParallelConfig, init_distributed, shutdown
+from codraft.learner.parallel.pipeline import Pipeline, PipelineConfig
+from codraft.learner.parallel.pipeline_mesh import PipelineGroups
+from codraft.learner.parallel.stage import TargetStage, split_layers
+from codraft.learner.parallel.tapchannel import TapChannelConfig
 from codraft.models.config import TargetConfig, default_tap_layers
 from codraft.models.layers import RotaryEmbedding
 from codraft.models.llama import TargetModel
-from learner.data.packing import Sample, pack
-from learner.parallel import host_staged
-from learner.parallel.launch import ParallelConfig, init_distributed, shutdown
-from learner.parallel.pipeline import Pipeline, PipelineConfig
-from learner.parallel.pipeline_mesh import PipelineGroups
-from learner.parallel.stage import TargetStage, split_layers
-from learner.parallel.tapchannel import TapChannelConfig
 
 
 def add_target_arguments(p: argparse.ArgumentParser) -> None:
@@ -99,7 +99,7 @@ def connect_p2p(groups: PipelineGroups, sources: Sequence[int], device: torch.de
     host until the peer joins too: left to the first step, stage 0's first activation send and
     the last stage's first tap receive (posted before it waits for activations) could each wait
     for the other (not yet seen on GPUs). Collective over the pipeline; costs nothing on gloo.
-    Goes through `learner.parallel.host_staged` like the pipeline's own transfers."""
+    Goes through `codraft.learner.parallel.host_staged` like the pipeline's own transfers."""
     ranks, last, me = groups.stage_ranks, groups.stage_ranks[-1], dist.get_rank()
     edges = [(groups.pp_group, a, b) for a, b in zip(ranks[:-1], ranks[1:], strict=True)]
     edges += [(groups.tap_group, s, last) for s in sources]

@@ -3,12 +3,12 @@
 Methods, all computing the same K-pass TTT attention over a packed batch of uneven documents:
 
 * ``ttt_pass``    what the trainer runs: K sequential calls of
-                  learner.attention.pass_attention.pass_attention (one flash trunk call and a
-                  branch per pass, merged by lse in one autograd Function; on CUDA the branch
-                  rows run as the Triton kernels of learner.attention.branch_triton);
+                  codraft.learner.attention.pass_attention.pass_attention (one flash trunk call and
+                  a branch per pass, merged by lse in one autograd Function; on CUDA the branch
+                  rows run as the Triton kernels of codraft.learner.attention.branch_triton);
 * ``ttt_pass_compile`` the same with the branch rows compiled by torch.compile instead;
 * ``ttt_pass_eager`` the same with the branch rows run as eager PyTorch ops;
-* ``branch``      learner.attention.branch_attention (flash trunk + [K, T, H, K-1] branch);
+* ``branch``      codraft.learner.attention.branch_attention (flash trunk + [K, T, H, K-1] branch);
 * ``sdpa_dense``  F.scaled_dot_product_attention over all passes' keys with a materialised
                   [K*T, K*T] bool mask (skipped above --dense-limit mask elements);
 * ``flex``        flex_attention with a block mask over the same K*T keys (compiled on CUDA);
@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from learner.attention import block_attention, branch_attention
-from learner.attention.pass_attention import pass_attention
+from codraft.learner.attention import block_attention, branch_attention
+from codraft.learner.attention.pass_attention import pass_attention
 
 
 def _doc_lengths(tokens: int, mean_len: int, gen: torch.Generator) -> list[int]:

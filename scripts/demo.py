@@ -26,12 +26,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from client import CodraftClient
-from client.prom import acceptance_by_version
+from codraft.client import CodraftClient
+from codraft.client.prom import acceptance_by_version
 from codraft.prepare import prepare_smollm2
 from codraft.prompts import reasoning_prompts
-from server.offline import ArmSpec, run_arm_subprocess
-from server.serve import free_port
+from codraft.server.offline import ArmSpec, run_arm_subprocess
+from codraft.server.serve import free_port
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:

@@ -125,7 +125,7 @@ def stage_gpu(args: argparse.Namespace) -> None:
     print(f"{len(pairs)} answers, {answer_tokens} answer tokens, in {t_gen:.0f} s", flush=True)
     ckpt = work / "ckpt"
     cmd = [
-        sys.executable, "-m", "learner.cli",
+        sys.executable, "-m", "codraft.learner.cli",
         "--from-dir", str(data), "--target", str(model_dir), "--out", str(ckpt),
         "--steps", str(args.steps), "--k", str(args.k), "--lr", str(args.lr),
         "--token-budget", str(args.token_budget), "--draft-vocab", str(args.draft_vocab),

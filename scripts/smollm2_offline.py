@@ -27,8 +27,8 @@ from codraft.models.config import TargetConfig
 from codraft.models.llama import load_target
 from codraft.prepare import resolve_model
 from codraft.prompts import reasoning_prompts
+from codraft.server.offline import ArmResult, ArmSpec, run_arm_subprocess
 from codraft.tap import TapMessage, TapWriter, model_fingerprint
-from server.offline import ArmResult, ArmSpec, run_arm_subprocess
 
 
 def stage_data(args: argparse.Namespace, target: Path, out: Path) -> None:
@@ -81,8 +81,8 @@ def stage_train(args: argparse.Namespace, target: Path, out: Path) -> None:
 
 def stage_eval(args: argparse.Namespace, target: Path, out: Path) -> dict:
     from codraft.draft.checkpoint import load_draft
-    from learner.acceptance import estimate_acceptance
-    from learner.teacher import Teacher, load_embedding
+    from codraft.learner.acceptance import estimate_acceptance
+    from codraft.learner.teacher import Teacher, load_embedding
 
     answers = ArmResult.from_json(json.loads((out / "answers.json").read_text()))
     if args.draft:  # a draft trained elsewhere (e.g. scripts/smollm2_gpu.py)

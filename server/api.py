@@ -1,14 +1,14 @@
 """The codraft control API: draft swaps, policy updates, the tap, probes (docs/architecture.md).
 
 Every route is a thin layer over one `collective_rpc` method of the worker extension
-(`server.worker_ext.CodraftWorkerExtension`); rank 0's reply is the answer. A reply
+(`codraft.server.worker_ext.CodraftWorkerExtension`); rank 0's reply is the answer. A reply
 `{"ok": False, "status": S, "error": M}` becomes HTTP S (400..599) with `{"detail": M}`.
 
 - `control_router(control, auth)`: GET/POST /v1/draft, GET/POST /v1/draft/prepare, POST
   /v1/draft/rollback, POST /v1/policy, GET/PUT /v1/tap, all behind the bearer-token dependency
   `auth`.
 - `probe_router(control)`: GET /health (engine alive), GET /ready (engine ready and a draft
-  loaded); unauthenticated. /metrics is in `server.metrics`.
+  loaded); unauthenticated. /metrics is in `codraft.server.metrics`.
 - `BodyLimit`: ASGI middleware, 413 for control request bodies over `max_body_bytes`, before a
   single byte more is read.
 
@@ -37,7 +37,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.auth import ControlError, bearer_auth, control_error_response
+from codraft.server.auth import ControlError, bearer_auth, control_error_response
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ class ControlError(Exception):
     """A control request failed: answered as HTTP `status` with `{"detail": message}`.
 
     Raised by the auth dependency, body parsing and failed engine RPCs; the control routes
-    answer it themselves with `control_error_response` (server.api.ControlRoute), so vLLM's
+    answer it themselves with `control_error_response` (codraft.server.api.ControlRoute), so vLLM's
     HTTPException handler never reshapes it into OpenAI's error format.
     """
 

@@ -1,9 +1,9 @@
 """Decode-time capture: the target's tap features of every token that becomes final.
 
-The step records come from server.hooks. Which rows are final: a request scheduled with n tokens
-of which k are draft proposals, and whose verification returned a + 1 tokens (a accepted drafts
-+ the bonus/correction token), has final rows 0 .. n-k+a-1 (the inputs up to and including the
-last accepted draft); the k-a rejected proposals are dropped. Prefill chunks and plain decode
+The step records come from codraft.server.hooks. Which rows are final: a request scheduled with n
+tokens of which k are draft proposals, and whose verification returned a + 1 tokens (a accepted
+drafts + the bonus/correction token), has final rows 0 .. n-k+a-1 (the inputs up to and including
+the last accepted draft); the k-a rejected proposals are dropped. Prefill chunks and plain decode
 steps (k = 0) are final entirely. A token's features come from the forward in which it is the
 INPUT, so a sampled token's features arrive one step later, and the very last token of a request
 never has any: a "full" message covers the final sequence minus its last token (T = prompt +
@@ -19,8 +19,8 @@ Two halves, so that the engine step never waits for the device nor builds a mess
   the stop rule says so - in the step that ends it - or when the scheduler lists it in
   `finished_req_ids` (aborts, stop strings).
 * **Assembly** (`Assembler`, a thread of its own): copies a step's rows to the host
-  (server.row_copy: the only wait for the device, in this thread), keeps each request's final
-  rows keyed by position (a preempted and recomputed request overwrites its rows), cuts long
+  (codraft.server.row_copy: the only wait for the device, in this thread), keeps each request's
+  final rows keyed by position (a preempted and recomputed request overwrites its rows), cuts long
   requests into chunks of `max_tokens` rows while they run (ids "<request id>#<i>", i = 0, 1,
   ...; each chunk's prompt_len counts the prompt tokens inside it), checks every message's
   token ids against the request's sequence and hands the message to the publisher. Loss mask:
@@ -45,10 +45,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from codraft.server import hooks
+from codraft.server.hooks import StepRecord
+from codraft.server.row_copy import StagedRows
 from codraft.tap.message import TapMessage
-from server import hooks
-from server.hooks import StepRecord
-from server.row_copy import StagedRows
 
 log = logging.getLogger(__name__)
 # Records that may arrive ahead of a step whose tokens never came, before that step is given up.

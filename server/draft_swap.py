@@ -9,10 +9,11 @@ engine does not step meanwhile, and an RPC can only start at a step boundary. He
   a version that is not newer (409) or a missing path (404), notes the checkpoint files'
   identity (device, inode, size, mtime), starts a background thread and returns a ticket at
   once. The thread reads and checks the checkpoint while a second thread hashes it
-  (`server.swap.open_draft`, `server.draft_read`: the bytes hashed are the bytes installed),
-  builds the drafter's kernel-format weights from them (`server.draft_kernels.stage_kernels`)
-  and then waits for the sha256; the engine keeps stepping (file reads, hashlib and torch
-  kernels release the GIL). `version` None takes the checkpoint's own (codraft.json).
+  (`codraft.server.swap.open_draft`, `codraft.server.draft_read`: the bytes hashed are the bytes
+  installed), builds the drafter's kernel-format weights from them
+  (`codraft.server.draft_kernels.stage_kernels`) and then waits for the sha256; the engine keeps
+  stepping (file reads, hashlib and torch kernels release the GIL). `version` None takes the
+  checkpoint's own (codraft.json).
 - `commit(ticket)` (RPC `codraft_commit_draft`) answers `ready: False` while the thread runs
   (the caller asks again); if a checkpoint file changed since the prepare, it prepares the
   path again and answers `ready: False` with the new ticket; then the thread's error
@@ -48,10 +49,10 @@ from typing import Any
 import torch
 
 from codraft.draft.checkpoint import CONFIG_NAME, META_NAME, WEIGHTS_NAME
-from server.draft_kernels import StageError, install, snapshot_live, stage_kernels
-from server.draft_read import BufferPool
-from server.hooks import drafter_model, target_model
-from server.swap import (
+from codraft.server.draft_kernels import StageError, install, snapshot_live, stage_kernels
+from codraft.server.draft_read import BufferPool
+from codraft.server.hooks import drafter_model, target_model
+from codraft.server.swap import (
     DraftSlot,
     SwapError,
     check_request,

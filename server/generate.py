@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from codraft.prepare import resolve_model
     from codraft.prompts import reasoning_prompts
-    from server.offline import ArmSpec, run_arm_subprocess
+    from codraft.server.offline import ArmSpec, run_arm_subprocess
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

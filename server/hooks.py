@@ -4,7 +4,7 @@ vLLM has two GPU model runners, and codraft hooks both (the same methods on thei
 subclasses): the V1 runner (`vllm.v1.worker.gpu_model_runner`) and the V2 runner
 (`vllm.v1.worker.gpu.model_runner`, what vLLM 0.26 picks for dense models on CUDA). Hooks are per
 runner *instance*, installed by the first codraft RPC; vLLM's files and classes are untouched;
-the internals they read are listed and checked in server.compat.
+the internals they read are listed and checked in codraft.server.compat.
 
 What the forward already returns is all codraft needs, so the served model is exactly the one
 plain vLLM serves (the same compiled graph, the same CUDA graphs): EAGLE-3 makes the target
@@ -16,7 +16,7 @@ final norm (the tap's `last_hidden`, what lm_head reads).
   ones), then builds a `StepRecord` (which rows of the flat batch belong to which request, how
   many are draft proposals) from the forward's inputs and outputs (V1: seen by the wrapped
   `_model_forward`; V2: the runner's `execute_model_state`) and has the rows the listener wants
-  gathered on the device (server.row_copy: no host-device sync in the step).
+  gathered on the device (codraft.server.row_copy: no host-device sync in the step).
 * `sample_tokens` hands the record and each request's sampled tokens (accepted drafts + the
   bonus token) to the listener once they exist: at once, or, with async scheduling, when the
   engine materialises the step's output (`get_output`), one step later.
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from server.row_copy import RowCopier, StagedRows
+from codraft.server.row_copy import RowCopier, StagedRows
 
 log = logging.getLogger(__name__)
 

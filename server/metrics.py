@@ -28,8 +28,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.routing import Route
 
-from server.api import EngineControl
-from server.auth import ControlError
+from codraft.server.api import EngineControl
+from codraft.server.auth import ControlError
 
 
 def _num(value: Any) -> float | None:

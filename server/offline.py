@@ -1,7 +1,7 @@
 """One offline vLLM run ("arm"): a target, optionally an EAGLE-3 draft, a batch of prompts.
 
-Runs in its own process (`python -m server.offline SPEC.json OUT.json`) so that arms never share
-an engine's memory or state; `run_arm_subprocess` is the caller's side. The result holds every
+Runs in its own process (`python -m codraft.server.offline SPEC.json OUT.json`) so that arms never
+share an engine's memory or state; `run_arm_subprocess` is the caller's side. The result holds every
 request's output token ids, timing and vLLM's speculative-decoding counters, from which the mean
 acceptance length (tokens per verification step) follows.
 """
@@ -92,7 +92,7 @@ def _minus(after: object, before: object) -> object:
 
 def run_arm(spec: ArmSpec) -> ArmResult:
     """Run one arm in this process (vLLM must not have been initialised here before)."""
-    from server.vllm_env import apply_cpu_defaults
+    from codraft.server.vllm_env import apply_cpu_defaults
 
     apply_cpu_defaults()
     from vllm import LLM, SamplingParams
@@ -149,7 +149,7 @@ def run_arm(spec: ArmSpec) -> ArmResult:
 
 def run_arm_subprocess(spec: ArmSpec, workdir: Path, *, timeout: float = 1800) -> ArmResult:
     """Run `spec` in a fresh Python process and return its result."""
-    from server.vllm_env import preload_env
+    from codraft.server.vllm_env import preload_env
 
     workdir.mkdir(parents=True, exist_ok=True)
     name = f"arm-{time.time_ns()}"
@@ -158,7 +158,7 @@ def run_arm_subprocess(spec: ArmSpec, workdir: Path, *, timeout: float = 1800) -
     env = preload_env()
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     proc = subprocess.run(
-        [sys.executable, "-m", "server.offline", str(spec_path), str(out_path)],
+        [sys.executable, "-m", "codraft.server.offline", str(spec_path), str(out_path)],
         env=env,
         capture_output=True,
         text=True,

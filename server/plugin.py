@@ -3,10 +3,10 @@
 vLLM calls `register()` in every process that builds an engine or a worker, before the model
 exists. It does nothing unless codraft is enabled (CODRAFT_ENABLE=1; `codraft serve` sets it), so
 plain vLLM users with codraft installed are unaffected. When enabled, it checks the vLLM version
-against `server.compat.SUPPORTED_VLLM` and that every internal codraft hooks is present, and
+against `codraft.server.compat.SUPPORTED_VLLM` and that every internal codraft hooks is present, and
 fails early with one message naming the supported versions, and sets the release's environment
-defaults (`server.compat.Traits.env`, e.g. the V1 model runner on vLLM 0.26) before vLLM builds
-the engine's config. The worker extension runs the same check when it is configured, with or
+defaults (`codraft.server.compat.Traits.env`, e.g. the V1 model runner on vLLM 0.26) before vLLM
+builds the engine's config. The worker extension runs the same check when it is configured, with or
 without this plugin.
 """
 
@@ -28,7 +28,7 @@ def register() -> None:
     """The entry point. A no-op unless CODRAFT_ENABLE is set."""
     if not enabled():
         return
-    from server.compat import apply_engine_env, require_supported
+    from codraft.server.compat import apply_engine_env, require_supported
 
     version = require_supported()
     apply_engine_env(version)

@@ -6,8 +6,8 @@ runner's persistent input buffers. So the rows codraft keeps are gathered at onc
 engine's own stream, into fresh device tensors (one `stack` of the tap layers and the final
 hidden state, cast to the wire dtype, plus the ids and positions), and an event is recorded
 after the gather. That is all the engine step does: no host memory, no copy to the host, no
-wait. The capture thread (server.capture) calls `StagedRows.to_host()`, which copies on a side
-stream of its own that waits for the event; only that thread waits.
+wait. The capture thread (codraft.server.capture) calls `StagedRows.to_host()`, which copies on a
+side stream of its own that waits for the event; only that thread waits.
 
 Device memory held by gathered rows that the capture thread has not taken yet is bounded
 (`RowCopier.max_bytes`): past it a step's rows are not gathered, and the step is counted

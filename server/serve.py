@@ -1,7 +1,7 @@
 """`codraft serve`: vLLM's OpenAI-compatible server with the codraft control API, one process.
 
 The engine is vLLM's AsyncLLM with an EAGLE-3 draft (speculative_config method "eagle3") and the
-codraft worker extension (`server.worker_ext.CodraftWorkerExtension`), which captures tap
+codraft worker extension (`codraft.server.worker_ext.CodraftWorkerExtension`), which captures tap
 features, publishes them and swaps drafts; this module only talks to it via `collective_rpc`.
 
 One event loop serves up to two uvicorn servers sharing the engine client:
@@ -36,15 +36,15 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.api import (
+from codraft.server.api import (
     CONTROL_PATHS,
     ControlSettings,
     EngineControl,
     add_outer_middleware,
     install_control,
 )
-from server.guard import SeedGuard, seeded_requests_crash
-from server.serve_config import (
+from codraft.server.guard import SeedGuard, seeded_requests_crash
+from codraft.server.serve_config import (
     ServeConfig,
     parse_vllm_args,
     resolve_draft,
@@ -151,7 +151,7 @@ def build_control_app(control: EngineControl, token: str | None, metrics: Any) -
     through `Dispatch` on the OpenAI port."""
     from fastapi import FastAPI
 
-    from server.metrics import install_metrics
+    from codraft.server.metrics import install_metrics
 
     app = FastAPI(title="codraft control", docs_url=None, redoc_url=None, openapi_url=None)
     install_control(app, control, token, probes=("/health", "/ready"))
@@ -183,7 +183,7 @@ class EngineSideError(RuntimeError):
 
 async def _check_engine_side(control: EngineControl, cfg: ServeConfig) -> None:
     """The first codraft RPC: installs the worker extension's hooks and checks they answer."""
-    from server.auth import ControlError
+    from codraft.server.auth import ControlError
 
     try:
         info = await control.info()
@@ -200,8 +200,8 @@ async def _check_engine_side(control: EngineControl, cfg: ServeConfig) -> None:
 async def serve(cfg: ServeConfig, args: argparse.Namespace, token: str | None) -> None:
     import uvicorn
 
-    from server.compat import serve_api
-    from server.metrics import MetricsEndpoint, install_metrics
+    from codraft.server.compat import serve_api
+    from codraft.server.metrics import MetricsEndpoint, install_metrics
 
     api = serve_api()  # where this vLLM release keeps its OpenAI server's pieces
     envs = api.envs
@@ -302,10 +302,10 @@ def _url(host: str, sock: Any) -> str:
 
 def main(cfg: ServeConfig) -> int:
     """Run `codraft serve` until SIGINT/SIGTERM. Call `ensure_cpu_preload()` before this."""
-    from server.vllm_env import apply_cpu_defaults
+    from codraft.server.vllm_env import apply_cpu_defaults
 
     apply_cpu_defaults()
-    os.environ.setdefault("CODRAFT_ENABLE", "1")  # server.plugin checks the vLLM version
+    os.environ.setdefault("CODRAFT_ENABLE", "1")  # codraft.server.plugin checks the vLLM version
     try:
         token = cfg.resolve_token()
         cfg.check_exposure(token)
@@ -353,7 +353,7 @@ class ServeProcess:
     def __init__(self, argv: list[str], log_path: Path, *, control: bool, env: dict | None):
         import subprocess
 
-        from server.vllm_env import preload_env
+        from codraft.server.vllm_env import preload_env
 
         self.port = free_port()
         self.control_port = free_port() if control else None

@@ -45,7 +45,7 @@ class ServeConfig:
     max_model_len: int | None = 4096
     work_dir: str = "runs/serve"  # where a draft built here is written
     checkpoint_root: str | None = None  # if set, POSTed draft/policy paths must lie inside it
-    worker_extension_cls: str = "server.worker_ext.CodraftWorkerExtension"
+    worker_extension_cls: str = "codraft.server.worker_ext.CodraftWorkerExtension"
     vllm_args: list[str] = field(default_factory=list)  # passed through to vLLM
 
     def __post_init__(self) -> None:
@@ -197,10 +197,10 @@ def resolve_draft(cfg: ServeConfig, model: Path) -> Path:
 
 
 def engine_settings(cfg: ServeConfig, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """vLLM's additional_config carrying the worker extension's settings (server.config): the
-    tap flags, under any `codraft` keys given in a passed-through --additional-config (those
+    """vLLM's additional_config carrying the worker extension's settings (codraft.server.config):
+    the tap flags, under any `codraft` keys given in a passed-through --additional-config (those
     win: it is how to reach the engine settings that have no flag here)."""
-    from server.config import ADDITIONAL_CONFIG_KEY, EngineConfig
+    from codraft.server.config import ADDITIONAL_CONFIG_KEY, EngineConfig
 
     extra = dict(extra or {})
     given = extra.get(ADDITIONAL_CONFIG_KEY) or {}
@@ -273,14 +273,14 @@ def vllm_argv(cfg: ServeConfig, model: Path, draft: Path) -> list[str]:
         passthrough, "--enable-prefix-caching", "--no-enable-prefix-caching"
     ):
         argv.append("--no-enable-prefix-caching")
-    from server.compat import default_serve_args
+    from codraft.server.compat import default_serve_args
 
-    # the installed release's engine defaults (server.compat.Traits), unless given
+    # the installed release's engine defaults (codraft.server.compat.Traits), unless given
     return argv + default_serve_args(passthrough) + passthrough
 
 
 def parse_vllm_args(argv: list[str]) -> argparse.Namespace:
-    from server.compat import serve_api
+    from codraft.server.compat import serve_api
 
     api = serve_api()
     parser = api.make_arg_parser(api.FlexibleArgumentParser(prog="codraft serve (vLLM arguments)"))

@@ -1,8 +1,8 @@
 """Live draft swap and policy reload, between engine steps, through vLLM's own load path.
 
 Draft swap. A new checkpoint is read into memory once and checked (`load_checked`, or
-`open_draft` for a swap: the checks of `codraft.draft.load_draft` by `server.draft_read`; the
-bytes hashed are the bytes loaded, hashed in a thread meanwhile): files present, sha256 as
+`open_draft` for a swap: the checks of `codraft.draft.load_draft` by `codraft.server.draft_read`;
+the bytes hashed are the bytes loaded, hashed in a thread meanwhile): files present, sha256 as
 recorded (and as the caller says), tensor names/shapes/dtypes, d2t/t2d, the contract of the
 serving engine (target hidden size and vocab, tap layers, the running draft's geometry, the
 target fingerprint when the checkpoint records one) and every other config field the running
@@ -50,8 +50,8 @@ from codraft.draft.checkpoint import (
 from codraft.draft.config import DraftConfig
 from codraft.models.config import TargetConfig
 from codraft.models.llama import safetensors_files
+from codraft.server.draft_read import BufferPool, CheckedWeights, read_checked
 from codraft.tap import model_fingerprint
-from server.draft_read import BufferPool, CheckedWeights, read_checked
 
 log = logging.getLogger(__name__)
 # Config fields a running vLLM drafter has baked in; a new draft must agree on all of them.
@@ -81,7 +81,7 @@ class DraftSlot:
     loaded_at: str
     config: DraftConfig
     weights: dict[str, torch.Tensor]  # checkpoint names, CPU tensors (dropped once staged)
-    kernels: Any = field(default=None, repr=False)  # server.draft_kernels.KernelState
+    kernels: Any = field(default=None, repr=False)  # codraft.server.draft_kernels.KernelState
 
     def info(self) -> dict[str, Any]:
         return {
@@ -99,7 +99,7 @@ def load_checked(
     """`codraft.draft.load_draft` without building an `Eagle3Draft`: the same checks with the
     same messages (config, sidecar, contract, header and length, sha256, tensor names/shapes/
     dtypes, d2t/t2d) in one read of the weights, whose bytes are the ones loaded
-    (`server.draft_read`). Building the model would cost more than the rest of a swap (it
+    (`codraft.server.draft_read`). Building the model would cost more than the rest of a swap (it
     initialises every weight on the CPU). Raises DraftCheckpointError."""
     checked = read_checked(root, expect)
     checked.verify_sha()
@@ -249,8 +249,8 @@ def write_draft_weights(runner: Any, vllm_config: Any, weights: dict[str, torch.
     """Write checkpoint-format draft weights into the running drafter, in place."""
     from vllm.config import set_current_vllm_config
 
-    from server.compat import reload_weights_inplace as reload_weights  # per vLLM release
-    from server.hooks import drafter_model
+    from codraft.server.compat import reload_weights_inplace as reload_weights  # per vLLM release
+    from codraft.server.hooks import drafter_model
 
     spec = vllm_config.speculative_config
     # reload_weights reads model_config, load_config and lora_config of the config it is given:
@@ -386,7 +386,7 @@ def write_policy_weights(runner: Any, vllm_config: Any, files: list[Path]) -> No
     """Stream target weights into the running target, in place."""
     from vllm.config import set_current_vllm_config
 
-    from server.hooks import target_model
+    from codraft.server.hooks import target_model
 
     with set_current_vllm_config(vllm_config), torch.inference_mode():
         runner.reload_weights(

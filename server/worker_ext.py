@@ -1,6 +1,6 @@
 """The codraft worker extension: capture, tap publishing, live draft swap, policy reload.
 
-Configure it with `worker_extension_cls="server.worker_ext.CodraftWorkerExtension"`, EAGLE-3
+Configure it with `worker_extension_cls="codraft.server.worker_ext.CodraftWorkerExtension"`, EAGLE-3
 speculative decoding, and (optionally) `additional_config=EngineConfig(...).to_additional_config()`.
 vLLM mixes the class into its worker; the methods below are then reachable through
 `collective_rpc(name, kwargs=...)` (one result per worker; TP ranks answer alike, take [0]).
@@ -17,8 +17,8 @@ RPC interface (all values plain JSON types):
   "sample_rate", "endpoint"}, "vllm_version"}
 - `codraft_prepare_draft(path, version=None, sha256=None)` -> {"ok", "ticket", "version",
   "ready": False}: starts reading, hashing, checking and staging the checkpoint in a background
-  thread (server.draft_swap); 409 when version is not above the current one, 404 when path does
-  not exist, 422 on malformed arguments. Returns at once. Supersedes the staged draft (one is
+  thread (codraft.server.draft_swap); 409 when version is not above the current one, 404 when path
+  does not exist, 422 on malformed arguments. Returns at once. Supersedes the staged draft (one is
   kept). `version` None: the checkpoint's own (409 from the thread when not newer).
 - `codraft_commit_draft(ticket)` -> {"ok", "ready": False, "ticket", "elapsed_ms"} while the
   thread runs (or, with "restarted": True and a new ticket, when a file changed since the
@@ -58,8 +58,8 @@ RPC interface (all values plain JSON types):
   vLLM's internal suffix "-xxxxxxxx" and the "<i>_" prefix of n>1 children are matched.
 
 Acceptance is attributed to the draft version that proposed the tokens (the one serving when
-the previous step ran). Automatic rollback: see server.acceptance; it runs at the start of the
-next engine step (or RPC) after the window shows the collapse.
+the previous step ran). Automatic rollback: see codraft.server.acceptance; it runs at the start of
+the next engine step (or RPC) after the window shows the collapse.
 """
 
 from __future__ import annotations
@@ -75,14 +75,14 @@ from typing import Any
 
 import torch
 
-from server.acceptance import Acceptance, should_roll_back
-from server.capture import Capture, StepContext, TapTarget
-from server.compat import require_supported
-from server.config import EngineConfig, check_endpoint, check_sample_rate
-from server.draft_swap import DraftSwapper
-from server.hooks import RunnerHooks, StepListener, StepRecord
-from server.publisher import PublisherStats, TapPublisher, sampled
-from server.swap import (
+from codraft.server.acceptance import Acceptance, should_roll_back
+from codraft.server.capture import Capture, StepContext, TapTarget
+from codraft.server.compat import require_supported
+from codraft.server.config import EngineConfig, check_endpoint, check_sample_rate
+from codraft.server.draft_swap import DraftSwapper
+from codraft.server.hooks import RunnerHooks, StepListener, StepRecord
+from codraft.server.publisher import PublisherStats, TapPublisher, sampled
+from codraft.server.swap import (
     DraftSlot,
     PolicySlot,
     SwapError,
@@ -375,7 +375,8 @@ class CodraftEngine(StepListener):
         return self.swapper.previous
 
     def swapped(self, reply: dict[str, Any]) -> dict[str, Any]:
-        """Bookkeeping after a draft commit (server.draft_swap) that installed a new draft."""
+        """Bookkeeping after a draft commit (codraft.server.draft_swap) that installed a new
+        draft."""
         if not reply.get("ready"):
             return reply
         old, new = self.previous, self.current

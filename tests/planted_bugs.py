@@ -33,8 +33,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from learner.attention import block_cpu, block_cuda, block_math, branch, ring, ring_branch
-from learner.attention.block_common import NEG_INF
+from codraft.learner.attention import block_cpu, block_cuda, block_math, branch, ring, ring_branch
+from codraft.learner.attention.block_common import NEG_INF
 
 # ------------------------------------------------------------------------- block backends
 

@@ -4,7 +4,7 @@ counts, and its non-interference check finds the pipeline's results bitwise iden
 
 The same run with `--share-gpu` forces the single-GPU mode's transport on CPU: every transfer
 (activations, taps, credits, the script's all-reduces) is staged through a host copy
-(`learner.parallel.host_staged`), and the JSON says the times are not NCCL figures."""
+(`codraft.learner.parallel.host_staged`), and the JSON says the times are not NCCL figures."""
 
 from __future__ import annotations
 

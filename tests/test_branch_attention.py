@@ -12,7 +12,7 @@ import torch
 from planted_bugs import plant
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from learner.attention import (
+from codraft.learner.attention import (
     block_attention,
     block_backward,
     block_cuda,
@@ -21,7 +21,7 @@ from learner.attention import (
     branch_attention,
     merge_lse,
 )
-from learner.attention.reference import (
+from codraft.learner.attention.reference import (
     dense_block_attention,
     dense_masked_attention,
     dense_ttt_attention,
@@ -444,7 +444,7 @@ def test_cuda_branch_matches_dense(dtype):
 def test_cuda_pass_attention_matches_dense(dtype, kernel, monkeypatch):
     """The trainer's per-pass op on CUDA (branch rows as Triton kernels, compiled or eager),
     every pass of a 4-pass TTT step, against the dense fp64 reference on CPU."""
-    from learner.attention.pass_attention import pass_attention
+    from codraft.learner.attention.pass_attention import pass_attention
 
     monkeypatch.setenv("CODRAFT_BRANCH_KERNEL", kernel)
     gen = torch.Generator().manual_seed(13)

@@ -1,4 +1,4 @@
-"""server.capture without an engine: step records as the hooks build them, delivered the way
+"""codraft.server.capture without an engine: step records as the hooks build them, delivered the way
 async scheduling delivers them (a step's tokens after the next step was launched, records out
 of order, a request scheduled once more after the step that ended it). The real engines run
 in tests/test_server_engine.py; these cases pin the ordering rules one by one.
@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from server.capture import Capture, NewRequest, StepContext, TapTarget, stop_after
-from server.hooks import ReqSlice, StepRecord
-from server.row_copy import StagedRows
+from codraft.server.capture import Capture, NewRequest, StepContext, TapTarget, stop_after
+from codraft.server.hooks import ReqSlice, StepRecord
+from codraft.server.row_copy import StagedRows
 
 H = 4
 TAPS = (1, 2)
@@ -135,7 +135,7 @@ def test_a_recomputed_request_overwrites_its_rows() -> None:
 
 
 def test_a_step_that_never_delivers_is_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    import server.capture as capture
+    import codraft.server.capture as capture
 
     monkeypatch.setattr(capture, "MAX_OUT_OF_ORDER", 2)
     h = Harness()
@@ -184,8 +184,8 @@ def _no_reordering(self, record, sampled) -> None:
 @pytest.mark.parametrize(
     "plant",
     [
-        ("server.hooks.final_rows", lambda s, sampled: s.num_tokens - 1),
-        ("server.capture.Capture.on_step", _no_reordering),
+        ("codraft.server.hooks.final_rows", lambda s, sampled: s.num_tokens - 1),
+        ("codraft.server.capture.Capture.on_step", _no_reordering),
     ],
     ids=["a final row dropped", "no reordering"],
 )

@@ -35,7 +35,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from client import (
+from codraft.client import (
     NO_RETRY,
     AsyncCodraftClient,
     CodraftClient,
@@ -50,14 +50,13 @@ from client import (
     Unauthorized,
     UnexpectedResponse,
 )
-from client.commands import build_parser
-from client.prom import _parse_lines, parse_metrics
-from client.status import collect_status, render_rich
+from codraft.client.commands import build_parser
+from codraft.client.prom import _parse_lines, parse_metrics
+from codraft.client.status import collect_status, render_rich
 
 TOKEN = "tok-client-0123456789"
 FAST = RetryPolicy(attempts=4, backoff_s=0.02, max_backoff_s=0.1)
 SHA0 = "0" * 64
-REPO = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------------ the server
@@ -133,7 +132,8 @@ class StubEngine:
     def codraft_prepare_draft(
         self, path: str, version: int | None = None, sha256: str | None = None
     ) -> dict:
-        """First half of a swap (server.draft_swap): checks that need no reading, a ticket."""
+        """First half of a swap (codraft.server.draft_swap): checks that need no reading, a
+        ticket."""
         if version is not None and version <= self.current["version"]:
             return _refuse(409, f"draft version {version} is not newer than the serving version "
                            f"{self.current['version']}")  # fmt: skip
@@ -225,9 +225,14 @@ def build_app(engine: StubEngine, token: str | None) -> FastAPI:
     and two canned OpenAI routes (vLLM's, in the real server)."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-    from server.api import ControlSettings, EngineControl, add_outer_middleware, install_control
-    from server.metrics import MetricsEndpoint
-    from server.serve import VersionHeaders
+    from codraft.server.api import (
+        ControlSettings,
+        EngineControl,
+        add_outer_middleware,
+        install_control,
+    )
+    from codraft.server.metrics import MetricsEndpoint
+    from codraft.server.serve import VersionHeaders
 
     app = FastAPI()
     control = EngineControl(engine, ControlSettings(rpc_timeout_s=5, probe_timeout_s=5))
@@ -613,7 +618,7 @@ def test_publish_draft_stages_ahead_and_the_swap_only_installs(server, engine, t
 
 
 def test_learner_publisher_prepares_then_commits(server, engine, tmp_path):
-    from learner.online.publisher import Publisher
+    from codraft.learner.online.publisher import Publisher
 
     sha = write_checkpoint(tmp_path / "v4", 4)
     transport = Counting()
@@ -633,7 +638,7 @@ def test_learner_publisher_prepares_then_commits(server, engine, tmp_path):
 
 
 def test_openai_package_and_the_draft_version_header(server: ThreadServer, engine: StubEngine):
-    from client.openai_helpers import (
+    from codraft.client.openai_helpers import (
         chat_with_version,
         complete_with_version,
         draft_version,
@@ -781,11 +786,10 @@ def test_cli_draft_policy_tap_and_exit_codes(
 
 def test_cli_as_a_process_unreachable_is_3(server: ThreadServer) -> None:
     env = {**os.environ, "CODRAFT_CONTROL_TOKEN": TOKEN, "CODRAFT_SERVER": server.url}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
 
     def run(*argv: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "client", *argv],
+            [sys.executable, "-m", "codraft.client", *argv],
             env=env,
             capture_output=True,
             text=True,

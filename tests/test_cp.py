@@ -4,12 +4,13 @@ One ``torch.multiprocessing.spawn`` per world size (2 and 4) runs every case bel
 processes; each case's error is all-reduced (max over ranks) and rank 0 writes them to a JSON
 file that the tests read. CP = world size, except the dp x cp case (world 4: dp 2 x cp 2).
 
-* attention: ring + branch (learner.attention.ring) for pass d = 1..4 (K = d - 1 = 0..3 branch
-  keys; d = 1 is the trunk alone): output, lse and the gradients of q and every key/value against
-  the dense masked reference (learner.attention.reference), on one sequence, one sequence of
-  the minimum length 2 x CP and packed uneven documents; fp64 within 1e-10, fp32 within 1e-4;
+* attention: ring + branch (codraft.learner.attention.ring) for pass d = 1..4 (K = d - 1 = 0..3
+  branch keys; d = 1 is the trunk alone): output, lse and the gradients of q and every key/value
+  against the dense masked reference (codraft.learner.attention.reference), on one sequence, one
+  sequence of the minimum length 2 x CP and packed uneven documents; fp64 within 1e-10, fp32 within
+  1e-4;
 * TTT: the full loss and the draft's gradients (summed over ranks) of ContextParallel against
-  learner.ttt.ttt_forward with pass_attention on the whole batch, K = 1..4 passes;
+  codraft.learner.ttt.ttt_forward with pass_attention on the whole batch, K = 1..4 passes;
 * rolls, the inverse gather, the mesh's groups, and planted bugs that each must fail.
 """
 
@@ -30,16 +31,16 @@ from planted_bugs import planted
 from codraft.draft.config import DraftConfig
 from codraft.draft.model import Eagle3Draft
 from codraft.draft.vocab import build_draft_vocab
-from learner.attention.pass_attention import pass_attention
-from learner.attention.reference import dense_masked_attention
-from learner.attention.ring import ring_pass_attention, ring_pass_forward
-from learner.data.packing import PackedBatch, Sample, pack
-from learner.parallel.context import ContextParallel
-from learner.parallel.mesh import ParallelDims, ParallelMesh
-from learner.parallel.ring_comm import Ring
-from learner.parallel.roll import BoundaryRoll
-from learner.parallel.zigzag import shard, unshard, zigzag_layout
-from learner.ttt import TTTConfig, doc_ends, roll_left, ttt_forward
+from codraft.learner.attention.pass_attention import pass_attention
+from codraft.learner.attention.reference import dense_masked_attention
+from codraft.learner.attention.ring import ring_pass_attention, ring_pass_forward
+from codraft.learner.data.packing import PackedBatch, Sample, pack
+from codraft.learner.parallel.context import ContextParallel
+from codraft.learner.parallel.mesh import ParallelDims, ParallelMesh
+from codraft.learner.parallel.ring_comm import Ring
+from codraft.learner.parallel.roll import BoundaryRoll
+from codraft.learner.parallel.zigzag import shard, unshard, zigzag_layout
+from codraft.learner.ttt import TTTConfig, doc_ends, roll_left, ttt_forward
 
 WORLDS = (2, 4)
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32}

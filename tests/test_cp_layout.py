@@ -1,6 +1,6 @@
 """Context-parallel pieces that need no second process: zigzag layouts, the mesh's arithmetic,
 the ring code at CP = 1 (against the single-device pass attention), the loopback ring used by
-the benchmark, and the TTT loss with pluggable rolls (against learner.ttt.ttt_forward)."""
+the benchmark, and the TTT loss with pluggable rolls (against codraft.learner.ttt.ttt_forward)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ import torch
 from codraft.draft.config import DraftConfig
 from codraft.draft.model import Eagle3Draft
 from codraft.draft.vocab import build_draft_vocab
-from learner.attention.pass_attention import pass_attention
-from learner.attention.ring import ring_pass_attention
-from learner.data.packing import Sample, pack
-from learner.parallel.context import ContextParallel
-from learner.parallel.launch import ParallelConfig, init_distributed
-from learner.parallel.mesh import ParallelDims, ParallelMesh
-from learner.parallel.ring_comm import LoopbackRing, Ring
-from learner.parallel.roll import BoundaryRoll
-from learner.parallel.zigzag import shard, shard_batch, unshard_parts, zigzag_layout
-from learner.ttt import LocalRoll, TTTConfig, doc_ends, roll_left, ttt_forward
+from codraft.learner.attention.pass_attention import pass_attention
+from codraft.learner.attention.ring import ring_pass_attention
+from codraft.learner.data.packing import Sample, pack
+from codraft.learner.parallel.context import ContextParallel
+from codraft.learner.parallel.launch import ParallelConfig, init_distributed
+from codraft.learner.parallel.mesh import ParallelDims, ParallelMesh
+from codraft.learner.parallel.ring_comm import LoopbackRing, Ring
+from codraft.learner.parallel.roll import BoundaryRoll
+from codraft.learner.parallel.zigzag import shard, shard_batch, unshard_parts, zigzag_layout
+from codraft.learner.ttt import LocalRoll, TTTConfig, doc_ends, roll_left, ttt_forward
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
@@ -145,7 +145,7 @@ def test_ring_at_cp1_is_pass_attention(passes: int) -> None:
 
 def test_branch_chunks_are_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     """The branch runs in row chunks (bounded temporaries): chunk edges change nothing."""
-    import learner.attention.ring_branch as rb
+    import codraft.learner.attention.ring_branch as rb
 
     monkeypatch.setattr(rb, "CHUNK", 5)
     cu = _cu([2, 10, 4, 8])
@@ -243,7 +243,7 @@ def test_rolled_ttt_equals_ttt_forward(hard: bool) -> None:
 @pytest.mark.parametrize("cp,rank", [(1, 0), (2, 0), (4, 3)])
 def test_saved_activations_match_the_memory_model(cp: int, rank: int) -> None:
     """What K ring Functions keep for backward is the model's S exactly (fp32 here: lse fp32)."""
-    from learner.parallel import memory
+    from codraft.learner.parallel import memory
 
     tokens, passes = 64, 3
     shape = memory.AttnShape(heads=4, kv_heads=2, head_dim=8, dtype_bytes=4)
@@ -266,7 +266,7 @@ def test_saved_activations_match_the_memory_model(cp: int, rank: int) -> None:
 def test_my_batches_splits_runs_over_replicas() -> None:
     from types import SimpleNamespace
 
-    from learner.parallel.launch import my_batches
+    from codraft.learner.parallel.launch import my_batches
 
     batches = [SimpleNamespace(cursor=i) for i in range(7)]
     for dp_rank in range(3):

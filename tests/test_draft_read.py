@@ -1,4 +1,5 @@
-"""server.draft_read: a draft's weights read once, hashed in a thread, checked without a copy.
+"""codraft.server.draft_read: a draft's weights read once, hashed in a thread, checked without a
+copy.
 
 No vLLM: the checks and their messages against codraft.draft.load_draft on the same broken
 checkpoints, the tensors against safetensors' own reading, and the read buffer's reuse.
@@ -17,8 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from codraft.draft.checkpoint import DraftCheckpointError, load_draft, sha256_file
 from codraft.draft.init import write_new_draft
-from server.draft_read import BufferPool, read_checked
-from server.swap import load_checked
+from codraft.server.draft_read import BufferPool, read_checked
+from codraft.server.swap import load_checked
 
 
 def _fix_sha(d: Path) -> None:

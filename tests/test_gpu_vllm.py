@@ -1,5 +1,5 @@
-"""The GPU serving kit (scripts/gpu_vllm/) and the vLLM-release switches in server.compat, checked
-without a GPU and without starting an engine."""
+"""The GPU serving kit (scripts/gpu_vllm/) and the vLLM-release switches in codraft.server.compat,
+checked without a GPU and without starting an engine."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ KIT = REPO / "scripts" / "gpu_vllm"
 
 
 def test_release_defaults_are_version_gated(monkeypatch: pytest.MonkeyPatch) -> None:
-    from server import compat
-    from server.serve_config import ServeConfig, vllm_argv
+    from codraft.server import compat
+    from codraft.server.serve_config import ServeConfig, vllm_argv
 
     # codraft runs vLLM's own engine defaults on both releases: compiled, CUDA graphs, async
     # scheduling and the model runner vLLM picks
@@ -36,7 +36,7 @@ def test_release_defaults_are_version_gated(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_serve_api_resolves_on_the_installed_vllm() -> None:
-    from server import compat
+    from codraft.server import compat
 
     api = compat.serve_api()
     for name in (
@@ -61,11 +61,11 @@ def test_serve_api_resolves_on_the_installed_vllm() -> None:
 
 def test_worker_extension_takes_every_engine_mode() -> None:
     """Compiled, CUDA graphs, async scheduling: nothing in the engine check refuses them (the
-    capture is configured at load, server.hooks); pipeline parallelism still is refused."""
+    capture is configured at load, codraft.server.hooks); pipeline parallelism still is refused."""
     from vllm.config import CUDAGraphMode
 
-    from server.swap import SwapError
-    from server.worker_ext import CodraftEngine
+    from codraft.server.swap import SwapError
+    from codraft.server.worker_ext import CodraftEngine
 
     def engine(pp: int = 1) -> SimpleNamespace:
         cfg = SimpleNamespace(
@@ -116,6 +116,57 @@ def test_kit_scripts_parse_and_smoke() -> None:
             [sys.executable, str(KIT / script), "--help"], capture_output=True, text=True
         )
         assert r.returncode == 0, (script, r.stderr)
+
+
+# a Python without setuptools gets from link_codraft.py what `pip install -e .` gives
+CHECKOUT_CHECK = """
+import importlib.metadata as md, importlib.util, sys
+from pathlib import Path
+repo = Path(sys.argv[1])
+assert importlib.util.find_spec("setuptools") is None and importlib.util.find_spec("pip") is None
+import codraft.server.plugin as plugin
+import codraft.client, codraft.learner, codraft.learner.online
+assert Path(plugin.__file__) == repo / "server" / "plugin.py", plugin.__file__
+assert Path(codraft.client.__file__) == repo / "client" / "__init__.py"
+assert Path(codraft.learner.online.__file__) == repo / "learner" / "online" / "__init__.py"
+for top in ("server", "learner", "client"):
+    assert importlib.util.find_spec(top) is None, top
+(ep,) = [e for e in md.entry_points(group="vllm.general_plugins") if e.name == "codraft"]
+assert (ep.name, ep.value) == ("codraft", "codraft.server.plugin:register"), ep
+assert ep.load() is plugin.register
+assert md.entry_points(group="console_scripts")["codraft"].value == "codraft.cli:main"
+print("checkout ok")
+"""
+
+
+def test_link_codraft_gives_the_import_names_without_setuptools(tmp_path: Path) -> None:
+    """install.sh's fallback, in a venv made without pip (so without setuptools) that sees this
+    environment's packages but not its codraft install."""
+    import sysconfig
+
+    venv = tmp_path / "v"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    skip = ("codraft", "__editable__", "setuptools", "pip", "pkg_resources", "_distutils_hack")
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.startswith(skip) and entry.name != "distutils-precedence.pth":
+            (deps / entry.name).symlink_to(entry)
+    site = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    (Path(site) / "deps.pth").write_text(f"import site; site.addsitedir({str(deps)!r})\n")
+
+    link = [py, str(KIT / "link_codraft.py"), str(REPO)]
+    r = subprocess.run(link, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "codraft.server -> " + str(REPO / "server") in r.stdout
+    r = subprocess.run(
+        [py, "-c", CHECKOUT_CHECK, str(REPO)], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert r.returncode == 0 and "checkout ok" in r.stdout, r.stdout + r.stderr
 
 
 def test_run_all_records_a_failing_phase_and_goes_on(tmp_path: Path) -> None:

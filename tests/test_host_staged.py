@@ -1,5 +1,5 @@
-"""The shared-GPU transport (`learner.parallel.host_staged`) and the start-up that picks it
-(`learner.parallel.launch`), on a CPU-only machine.
+"""The shared-GPU transport (`codraft.learner.parallel.host_staged`) and the start-up that picks it
+(`codraft.learner.parallel.launch`), on a CPU-only machine.
 
 The shim is forced on CPU tensors (`enable(stage_cpu=True)`): the same code as for CUDA tensors,
 with a plain host buffer where a GPU gets a pinned one. Start-up is checked with a fake GPU count
@@ -23,8 +23,8 @@ TIMEOUT_S = 0.5
 def shim_cases(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from learner.parallel import host_staged
-    from learner.parallel.p2p_wait import PeerTimeout, wait_work
+    from codraft.learner.parallel import host_staged
+    from codraft.learner.parallel.p2p_wait import PeerTimeout, wait_work
 
     out: dict[str, Any] = {}
     peer = 1 - rank
@@ -98,7 +98,7 @@ def shim_cases(rank: int, world: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------- in pytest
 @pytest.fixture(scope="module")
 def world2() -> list[dict[str, Any]]:
-    from learner.parallel.spawn import run_world
+    from codraft.learner.parallel.spawn import run_world
 
     return run_world(shim_cases, 2, timeout_s=60)
 
@@ -134,7 +134,7 @@ def _start(monkeypatch: pytest.MonkeyPatch, gpus: int, local_rank: int, ranks: i
     the device it binds and the init_process_group call (stopped there)."""
     import torch.distributed as dist
 
-    from learner.parallel import launch
+    from codraft.learner.parallel import launch
 
     seen: dict[str, Any] = {}
 

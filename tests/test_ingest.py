@@ -15,10 +15,10 @@ import pytest
 import torch
 import zmq
 
+from codraft.learner.data.packing import Sample
+from codraft.learner.online.buffer import BufferPolicy, SampleBuffer, is_holdout
+from codraft.learner.online.ingest import TapIngest
 from codraft.tap import TapExpectation, TapLimits, TapMessage, encode
-from learner.data.packing import Sample
-from learner.online.buffer import BufferPolicy, SampleBuffer, is_holdout
-from learner.online.ingest import TapIngest
 
 H, TAPS, FP = 16, (1, 2, 3), "llama-0123456789abcdef"
 

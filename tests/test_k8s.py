@@ -375,8 +375,8 @@ def test_codraft_accepts_the_commands(overlay, role):
         program = program[1:]
     ns = commands[role].parse_args(program)  # argparse exits (fails the test) on an unknown flag
     if role == "serve":  # the values too: ports, tap mode, endpoints
-        from server.config import check_endpoint
-        from server.serve_config import config_from_args
+        from codraft.server.config import check_endpoint
+        from codraft.server.serve_config import config_from_args
 
         config_from_args(ns)
         for endpoint in ns.tap_endpoint.split(","):
@@ -385,7 +385,7 @@ def test_codraft_accepts_the_commands(overlay, role):
 
 def test_server_probes_are_routes_the_server_serves():
     """The probe paths are the server's own unauthenticated routes (server/api.py)."""
-    from server.api import probe_router
+    from codraft.server.api import probe_router
 
     served = inspect.signature(probe_router).parameters["paths"].default
     c = _server(render("gpu"))
@@ -401,8 +401,8 @@ def test_the_tap_publisher_connects_to_every_learner_rank():
     import torch
     import zmq
 
+    from codraft.server.publisher import TapPublisher
     from codraft.tap import TapMessage, decode
-    from server.publisher import TapPublisher
 
     endpoints = _config_value("multi-node-learner", "CODRAFT_TAP_ENDPOINTS").split(",")
     assert len(endpoints) > 1

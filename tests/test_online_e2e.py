@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from client import CodraftClient
-from client.prom import acceptance_by_version
-from server.offline import ArmSpec, run_arm_subprocess
-from server.serve import free_port
+from codraft.client import CodraftClient
+from codraft.client.prom import acceptance_by_version
+from codraft.server.offline import ArmSpec, run_arm_subprocess
+from codraft.server.serve import free_port
 
 pytestmark = pytest.mark.vllm
 

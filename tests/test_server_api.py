@@ -4,8 +4,8 @@ One real server per module (`codraft serve` subprocess on 127.0.0.1, tiny random
 EAGLE-3 with k=3, the real worker extension), control on its own port, tap pointed at a port
 nobody listens on. A second, short-lived server (control routes on the OpenAI port, token from
 the environment) streams its tap into `codraft record`. Greedy outputs are compared with a
-vLLM run without speculation (server.offline). The HTTP layer's error mapping is also checked
-against a fake engine, without vLLM (the tests at the end).
+vLLM run without speculation (codraft.server.offline). The HTTP layer's error mapping is also
+checked against a fake engine, without vLLM (the tests at the end).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from safetensors.torch import load_file, save_file
 
 from codraft.draft.checkpoint import sha256_file
 from codraft.draft.init import write_new_draft
-from server.offline import ArmSpec, run_arm_subprocess
-from server.serve import ServeProcess, free_port
+from codraft.server.offline import ArmSpec, run_arm_subprocess
+from codraft.server.serve import ServeProcess, free_port
 
 TOKEN = "tok-0123456789abcdef"
 K = 3
@@ -743,7 +743,7 @@ class FakeEngine:
 def _fake_app(engine: FakeEngine, token: str | None = TOKEN, **settings: Any):
     from fastapi import FastAPI
 
-    from server.api import ControlSettings, EngineControl, install_control
+    from codraft.server.api import ControlSettings, EngineControl, install_control
 
     app = FastAPI()
     control = EngineControl(engine, ControlSettings(**settings))
@@ -927,7 +927,7 @@ def test_prepare_route_answers_202_and_refuses_what_a_swap_refuses() -> None:
 
 
 def test_serve_config_token_exposure_and_vllm_args(tmp_path: Path, monkeypatch) -> None:
-    from server.serve_config import ServeConfig, vllm_argv
+    from codraft.server.serve_config import ServeConfig, vllm_argv
 
     monkeypatch.delenv("CODRAFT_CONTROL_TOKEN", raising=False)
     assert ServeConfig().resolve_token() is None
@@ -974,7 +974,7 @@ def test_serve_config_token_exposure_and_vllm_args(tmp_path: Path, monkeypatch) 
 
 def test_untrained_draft_is_built_once_per_target(tiny_llama_dir: Path, tmp_path: Path) -> None:
     from codraft.draft.checkpoint import read_meta
-    from server.serve_config import ServeConfig, resolve_draft
+    from codraft.server.serve_config import ServeConfig, resolve_draft
 
     cfg = ServeConfig(model=str(tiny_llama_dir), work_dir=str(tmp_path), draft_vocab_size=100)
     first = resolve_draft(cfg, tiny_llama_dir)
@@ -1042,7 +1042,7 @@ def test_seed_guard_refuses_seeds_and_passes_the_rest() -> None:
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from server.guard import SeedGuard
+    from codraft.server.guard import SeedGuard
 
     seen: list[bytes] = []
 

@@ -172,13 +172,13 @@ def run(
     import zmq
 
     from codraft.models.llama import load_target
+    from codraft.server.vllm_env import preload_env
     from codraft.testing import (
         greedy_reference,
         make_agreeing_draft,
         make_constant_target,
         make_tiny_target,
     )
-    from server.vllm_env import preload_env
 
     tmp = tmp_path_factory.mktemp("engine")
     target1 = tiny_llama_dir
@@ -267,7 +267,7 @@ def _drive(plan: dict) -> dict:
     """Runs in the subprocess: build the engines, go through the phases, record everything."""
     from vllm import LLM, SamplingParams
 
-    from server.config import EngineConfig
+    from codraft.server.config import EngineConfig
 
     common = dict(
         dtype="float32",
@@ -314,7 +314,7 @@ def _drive(plan: dict) -> dict:
             "model": plan["drafts"]["0"],
             "num_speculative_tokens": K,
         },
-        worker_extension_cls="server.worker_ext.CodraftWorkerExtension",
+        worker_extension_cls="codraft.server.worker_ext.CodraftWorkerExtension",
         additional_config=engine_cfg.to_additional_config(),
         max_num_batched_tokens=32,  # prompts are prefilled in chunks, mixed with decode steps
         **common,
@@ -671,7 +671,7 @@ def test_staged_swap_prepares_off_the_loop_and_refuses_stale_tickets(run: Engine
 def test_plugin_is_a_noop_unless_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
     import tomllib
 
-    from server import compat, plugin
+    from codraft.server import compat, plugin
 
     monkeypatch.delenv(plugin.ENABLE_ENV, raising=False)
     monkeypatch.setattr(compat, "vllm_version", lambda: "0.0.1")
@@ -685,11 +685,11 @@ def test_plugin_is_a_noop_unless_enabled(monkeypatch: pytest.MonkeyPatch) -> Non
     plugin.register()  # the installed vLLM is supported
     assert compat.problems() == []
     eps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]
-    assert eps["vllm.general_plugins"]["codraft"] == "server.plugin:register"
+    assert eps["vllm.general_plugins"]["codraft"] == "codraft.server.plugin:register"
 
 
 def test_compat_names_a_missing_internal(monkeypatch: pytest.MonkeyPatch) -> None:
-    from server import compat
+    from codraft.server import compat
 
     fake = compat.Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.no_such_method")
     monkeypatch.setattr(compat, "HOOKED", (*compat.HOOKED, fake))
@@ -711,7 +711,7 @@ def _message(n: int = 100, h: int = 64):
 
 
 def test_publisher_never_blocks_and_counts_drops() -> None:
-    from server.publisher import TapPublisher
+    from codraft.server.publisher import TapPublisher
 
     pub = TapPublisher(_free_endpoint(), queue_size=4, hwm=2, linger_ms=200)
     msg = _message()
@@ -734,8 +734,8 @@ def test_publisher_delivers_frames_the_learner_decodes() -> None:
     import zmq
     from zmq.utils.monitor import recv_monitor_message
 
+    from codraft.server.publisher import TapPublisher
     from codraft.tap import decode
-    from server.publisher import TapPublisher
 
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
@@ -762,7 +762,7 @@ def test_publisher_delivers_frames_the_learner_decodes() -> None:
 
 
 def test_sampling_is_deterministic_per_request() -> None:
-    from server.publisher import sampled
+    from codraft.server.publisher import sampled
 
     ids = [f"cmpl-{i}" for i in range(4000)]
     picked = [sampled(r, 0.25) for r in ids]
@@ -772,7 +772,7 @@ def test_sampling_is_deterministic_per_request() -> None:
 
 
 def test_rollback_rule_needs_a_full_window() -> None:
-    from server.acceptance import Acceptance, should_roll_back
+    from codraft.server.acceptance import Acceptance, should_roll_back
 
     acc = Acceptance(window=8)
     acc.record(1, 4, 12, 12)
@@ -790,7 +790,7 @@ def test_rollback_rule_needs_a_full_window() -> None:
 def test_stop_rule_matches_the_scheduler() -> None:
     from types import SimpleNamespace
 
-    from server.capture import stop_after
+    from codraft.server.capture import stop_after
 
     sp = SimpleNamespace(eos_token_id=2, stop_token_ids=[7], max_tokens=10)
     assert stop_after([5, 2, 9], 0, 4, sp, 100) == 2  # EOS kept, later tokens dropped
@@ -803,7 +803,7 @@ def test_stop_rule_matches_the_scheduler() -> None:
 def test_tap_buffer_keeps_rows_by_position() -> None:
     import numpy as np
 
-    from server.capture import TapBuffer
+    from codraft.server.capture import TapBuffer
 
     def rows(a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         ids = np.arange(a, b, dtype=np.int32)
@@ -824,7 +824,7 @@ def test_tap_buffer_keeps_rows_by_position() -> None:
 
 
 def test_request_aliases_cover_vllm_ids() -> None:
-    from server.worker_ext import request_aliases
+    from codraft.server.worker_ext import request_aliases
 
     assert "cmpl-ab" in request_aliases("cmpl-ab-1a2b3c4d")
     assert {"cmpl-ab", "0_cmpl-ab"} <= request_aliases("0_cmpl-ab-1a2b3c4d")

@@ -26,7 +26,7 @@ _ALIVE: list[Any] = []
 def _channel(rank: int, slots: int = 2, timeout_s: float = 20.0, verify: bool = True, cls=None):
     import torch.distributed as dist
 
-    from learner.parallel.tapchannel import TapChannel, TapChannelConfig
+    from codraft.learner.parallel.tapchannel import TapChannel, TapChannelConfig
 
     data, credit = dist.new_group([0, 1, 2]), dist.new_group([0, 1, 2])
     ch = (cls or TapChannel)(
@@ -161,7 +161,7 @@ def _case_drift(rank: int) -> dict[str, Any]:
 def _case_mutation(rank: int) -> dict[str, Any]:
     """The position check of `_case_position` against a receiver whose read pointer starts one
     slot late (2 puts, 2 slots: the run completes, with the two puts swapped)."""
-    from learner.parallel.tapchannel import TapChannel
+    from codraft.learner.parallel.tapchannel import TapChannel
 
     class OffByOne(TapChannel):
         def __init__(self, *a, **kw):
@@ -214,7 +214,7 @@ def channel_cases(rank: int, world: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------- in pytest
 @pytest.fixture(scope="module")
 def world3() -> list[dict[str, Any]]:
-    from learner.parallel.spawn import run_world
+    from codraft.learner.parallel.spawn import run_world
 
     return run_world(channel_cases, 3, timeout_s=120)
 

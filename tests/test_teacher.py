@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import learner.teacher as teacher_mod
+import codraft.learner.teacher as teacher_mod
 from codraft.draft.vocab import ids_to_maps
+from codraft.learner.data import Sample, pack
+from codraft.learner.teacher import Teacher, load_head
 from codraft.models.llama import load_target
-from learner.data import Sample, pack
-from learner.teacher import Teacher, load_head
 
 TAPS = (1, 2, 3)
 

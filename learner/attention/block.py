@@ -28,14 +28,14 @@ flash-attn >= 2.1 aligns bottom-right), so that case is refused rather than sile
 
 Backends (``backend=``), one module each (their kernel traps are documented there):
 
-* ``"cpu_flash"`` (:mod:`learner.attention.block_cpu`):
+* ``"cpu_flash"`` (:mod:`codraft.learner.attention.block_cpu`):
   ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``), one call per document.
   Supports fp64/fp32/bf16/fp16 and GQA natively.
-* ``"cuda_flash"`` (:mod:`learner.attention.block_cuda`): ``aten._flash_attention_forward`` /
-  ``_flash_attention_backward`` in varlen mode, fp16/bf16 only, head dim a multiple of 8 and at
+* ``"cuda_flash"`` (:mod:`codraft.learner.attention.block_cuda`): ``aten._flash_attention_forward``
+  / ``_flash_attention_backward`` in varlen mode, fp16/bf16 only, head dim a multiple of 8 and at
   most 256.
-* ``"math"`` (:mod:`learner.attention.block_math`): exact pure-torch attention, per document and
-  in query chunks, so memory is never ``Tq x Tk`` over the packed batch. Any device, any float
+* ``"math"`` (:mod:`codraft.learner.attention.block_math`): exact pure-torch attention, per document
+  and in query chunks, so memory is never ``Tq x Tk`` over the packed batch. Any device, any float
   dtype; the fallback for fp32/fp64 on CUDA.
 * ``"auto"`` (default): ``cpu_flash`` on CPU, ``cuda_flash`` on CUDA for fp16/bf16, else ``math``.
 
@@ -51,9 +51,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from learner.attention import block_cpu, block_cuda, block_math
-from learner.attention.block_common import NEG_INF as _NEG_INF
-from learner.attention.block_common import Segments as _Segments
+from codraft.learner.attention import block_cpu, block_cuda, block_math
+from codraft.learner.attention.block_common import NEG_INF as _NEG_INF
+from codraft.learner.attention.block_common import Segments as _Segments
 
 Backend = Literal["auto", "cpu_flash", "cuda_flash", "math"]
 

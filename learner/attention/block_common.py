@@ -1,9 +1,10 @@
-"""What :mod:`learner.attention.block` and its backends share: document boundaries and lse dtype.
+"""What :mod:`codraft.learner.attention.block` and its backends share: document boundaries and lse
+dtype.
 
 A leaf module (it imports no other attention module), so that the dispatcher
-(:mod:`learner.attention.block`) can import the backends (:mod:`~learner.attention.block_cpu`,
-:mod:`~learner.attention.block_cuda`, :mod:`~learner.attention.block_math`) and they can import
-this without a cycle.
+(:mod:`codraft.learner.attention.block`) can import the backends
+(:mod:`~codraft.learner.attention.block_cpu`, :mod:`~codraft.learner.attention.block_cuda`,
+:mod:`~codraft.learner.attention.block_math`) and they can import this without a cycle.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The ``"cpu_flash"`` backend of :mod:`learner.attention.block`: the CPU flash kernel.
+"""The ``"cpu_flash"`` backend of :mod:`codraft.learner.attention.block`: the CPU flash kernel.
 
 ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``), one call per document (the
 kernel takes ``[B, H, T, D]``). Supports fp64/fp32/bf16/fp16 and GQA natively. Inputs are
-validated by :mod:`learner.attention.block`; layouts are the ones documented there.
+validated by :mod:`codraft.learner.attention.block`; layouts are the ones documented there.
 
 Kernel traps handled here (found by probing torch 2.13 CPU):
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from learner.attention.block_common import NEG_INF, Segments, lse_dtype
+from codraft.learner.attention.block_common import NEG_INF, Segments, lse_dtype
 
 
 def _bhtd(x: Tensor, start: int, end: int) -> Tensor:

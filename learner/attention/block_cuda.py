@@ -1,9 +1,10 @@
-"""The ``"cuda_flash"`` backend of :mod:`learner.attention.block`: flash attention in varlen mode.
+"""The ``"cuda_flash"`` backend of :mod:`codraft.learner.attention.block`: flash attention in varlen
+mode.
 
 ``aten._flash_attention_forward`` / ``_flash_attention_backward`` in varlen mode
 (``cum_seq_q``/``cum_seq_k``), fp16/bf16 only, head dim a multiple of 8 and at most 256. Inputs are
-validated by :mod:`learner.attention.block`; layouts are the ones documented there. CI has no
-GPU: the CUDA tests skip there; run them on a GPU.
+validated by :mod:`codraft.learner.attention.block`; layouts are the ones documented there. CI has
+no GPU: the CUDA tests skip there; run them on a GPU.
 
 Kernel traps handled here (found by probing torch 2.11 CUDA):
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from learner.attention.block_common import NEG_INF, Segments
+from codraft.learner.attention.block_common import NEG_INF, Segments
 
 # Most (rows x heads x rounded head dim) elements in one CUDA flash call; see _flash_head_chunks.
 _FLASH_MAX_ELEMENTS = 2**30

@@ -1,11 +1,11 @@
-"""The ``"math"`` backend of :mod:`learner.attention.block`: exact pure-torch attention.
+"""The ``"math"`` backend of :mod:`codraft.learner.attention.block`: exact pure-torch attention.
 
 Per document and in query chunks of ``_MATH_CHUNK`` rows, so memory is
 ``O(chunk * Tk_doc * Hq)``, never ``Tq x Tk`` over the packed batch. Any device, any float dtype;
 the fallback for fp32/fp64 on CUDA. Accumulates in the lse dtype (fp32, or fp64 for fp64
-inputs). Inputs are validated by :mod:`learner.attention.block`; layouts are the ones documented
-there. Documents with 0 queries or 0 keys are skipped, so their rows keep ``out = 0`` and the
-lse of ``-inf``. The masked scores of a query chunk come from one function,
+inputs). Inputs are validated by :mod:`codraft.learner.attention.block`; layouts are the ones
+documented there. Documents with 0 queries or 0 keys are skipped, so their rows keep ``out = 0`` and
+the lse of ``-inf``. The masked scores of a query chunk come from one function,
 :func:`_math_scores`, which forward and backward share.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from learner.attention.block_common import NEG_INF, Segments, lse_dtype
+from codraft.learner.attention.block_common import NEG_INF, Segments, lse_dtype
 
 # Rows per query chunk in the "math" backend.
 _MATH_CHUNK = 256

@@ -9,14 +9,15 @@ sees
 
 Nothing else. Pass 0 sees only (a). No T x T mask or score matrix is ever built:
 
-* (a) is ONE causal :func:`~learner.attention.block.block_forward` call for all K query passes at
-  once: the K passes are folded into the head dimension as extra GQA query heads (query heads are
-  ordered ``[Hkv, K, G]``, so every pass of a group shares pass 0's key/value head). Causality is
-  then per anchor position, exactly as required, and the kernel stays on its diagonal block.
+* (a) is ONE causal :func:`~codraft.learner.attention.block.block_forward` call for all K query
+  passes at once: the K passes are folded into the head dimension as extra GQA query heads (query
+  heads are ordered ``[Hkv, K, G]``, so every pass of a group shares pass 0's key/value head).
+  Causality is then per anchor position, exactly as required, and the kernel stays on its diagonal
+  block.
 * (b) is, pass by pass, a ``[T, Hq, p]`` score tensor (einsum over keys 1..p of the same
   position; pass 0 has none and carries ``lse = -inf`` into the merge).
 * The two merge exactly by log-sum-exp (:func:`merge_lse`); backward replays both with the joint
-  output and lse (:func:`~learner.attention.block.block_backward` for the trunk, an analytic
+  output and lse (:func:`~codraft.learner.attention.block.block_backward` for the trunk, an analytic
   backward for the branch), so the gradient through the lse is kept.
 
 All K passes' q/k/v must exist before the call. In the TTT forward pass d's input depends on
@@ -35,7 +36,7 @@ import math
 import torch
 from torch import Tensor
 
-from learner.attention.block import Backend, block_backward, block_forward, merge_lse
+from codraft.learner.attention.block import Backend, block_backward, block_forward, merge_lse
 
 __all__ = ["BranchAttentionFn", "branch_attention", "merge_lse"]
 
@@ -232,7 +233,7 @@ def branch_attention(
         cu_seqlens: int32 ``[B + 1]`` document boundaries of the packed T tokens (the same for
             every pass: pass p at anchor i is a prediction made *at* anchor i).
         scale: softmax scale, default ``1/sqrt(D)``.
-        backend: trunk kernel, see :mod:`learner.attention.block`.
+        backend: trunk kernel, see :mod:`codraft.learner.attention.block`.
 
     Returns:
         ``out [K, T, Hq, D]`` (dtype of q): ``out[p]`` is attention of ``q[p]`` over ``k[0]/v[0]``

@@ -1,7 +1,7 @@
 """The branch rows of one TTT pass as two Triton kernels: forward merge and backward.
 
-Same arithmetic as :func:`learner.attention.ring_branch.merge_rows` / ``grad_rows`` (which stay
-the reference and the CPU path), written so that every tensor is read once and nothing of
+Same arithmetic as :func:`codraft.learner.attention.ring_branch.merge_rows` / ``grad_rows`` (which
+stay the reference and the CPU path), written so that every tensor is read once and nothing of
 size ``[T, Hq, D]`` is materialised besides the outputs:
 
 * one program per (block of ``BT`` tokens, kv head) holds the whole GQA group of query heads as
@@ -15,7 +15,7 @@ size ``[T, Hq, D]`` is materialised besides the outputs:
 
 Up to :data:`MAX_BRANCH` branch keys (K <= 8 passes). Branch keys/values come as separate
 tensors of one shape and layout; they are passed as separate pointers and picked at compile
-time (the kernels live in :mod:`learner.attention.branch_triton_kernels`).
+time (the kernels live in :mod:`codraft.learner.attention.branch_triton_kernels`).
 ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (what the tests do).
 """
 
@@ -98,7 +98,7 @@ def merge(
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if lse is None else lse
     if t == 0:
         return out, lse
-    from learner.attention.branch_triton_kernels import merge_kernel
+    from codraft.learner.attention.branch_triton_kernels import merge_kernel
 
     bt, bg, bd, warps = _tile(g, q.shape[2])
     merge_kernel[(-(-t // bt), hkv)](
@@ -131,7 +131,7 @@ def grad(
     for x, name in ((dq, "dq"), (dout, "dout"), (out, "out")):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride in the head dim")
-    from learner.attention.branch_triton_kernels import grad_kernel
+    from codraft.learner.attention.branch_triton_kernels import grad_kernel
 
     bt, bg, bd, warps = _tile(g, q.shape[2])
     grad_kernel[(-(-t // bt), hkv)](

@@ -1,4 +1,4 @@
-"""The Triton kernels behind :mod:`learner.attention.branch_triton` (imported only when they
+"""The Triton kernels behind :mod:`codraft.learner.attention.branch_triton` (imported only when they
 run, so that importing the learner never needs triton). See that module for the arithmetic."""
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 TTT passes are sequential (pass d reads pass d-1's output), so the trainer calls this once per
 pass with the query of pass d and the keys/values of passes 1..d (0-based here: ``ks[0]`` is the
 trunk, ``ks[1:]`` the branch). The query at anchor i sees ``ks[0]`` at positions 0..i of its
-document (one causal :func:`~learner.attention.block.block_forward` call) and ``ks[1:]`` at
+document (one causal :func:`~codraft.learner.attention.block.block_forward` call) and ``ks[1:]`` at
 position i only (``d-1`` scores per query head). Both merge exactly by log-sum-exp and the
 backward replays both with the joint output and lse, so the gradient through the lse survives.
 The K passes together cost K trunk calls: the floor, since every pass attends to the whole trunk.
 
-The branch's arithmetic is :mod:`learner.attention.ring_branch` (the same rows the
+The branch's arithmetic is :mod:`codraft.learner.attention.ring_branch` (the same rows the
 context-parallel ring merges rank-locally): fused compiled kernels on CUDA, chunked eager ops
 elsewhere. It saves nothing beyond the joint out and lse.
 """
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from learner.attention.block import Backend, block_backward, block_forward
-from learner.attention.ring_branch import branch_backward_into, branch_merge
+from codraft.learner.attention.block import Backend, block_backward, block_forward
+from codraft.learner.attention.ring_branch import branch_backward_into, branch_merge
 
 
 def _branch_keys(ks: Sequence[Tensor], vs: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:

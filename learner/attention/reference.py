@@ -2,8 +2,9 @@
 
 Everything here builds explicit masks and score matrices over the whole packed batch (O(T^2)
 memory) and runs plain softmax attention in the dtype it is given, with ordinary autograd. It
-shares no code with :mod:`learner.attention.block` or :mod:`learner.attention.branch` on purpose:
-it is the independent definition those are checked against. Never use it in training.
+shares no code with :mod:`codraft.learner.attention.block` or
+:mod:`codraft.learner.attention.branch` on purpose: it is the independent definition those are
+checked against. Never use it in training.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Zigzag ring attention for ONE TTT pass under context parallelism, as one autograd Function.
 
 Each CP rank holds the zigzag shard of every document (front chunk r, back chunk 2CP-1-r; see
-:mod:`learner.parallel.zigzag`). The trunk keys/values travel the ring: at step s a rank holds
-the shard of rank ``src = (r - s) mod CP`` and, by the zigzag, only three cases exist:
+:mod:`codraft.learner.parallel.zigzag`). The trunk keys/values travel the ring: at step s a rank
+holds the shard of rank ``src = (r - s) mod CP`` and, by the zigzag, only three cases exist:
 
 * step 0 (``src = r``): the local shard against itself, one *causal* diagonal block;
 * ``1 <= s <= r`` (``src < r``): the FRONT half of the arriving shard is before both local
@@ -10,7 +10,7 @@ the shard of rank ``src = (r - s) mod CP`` and, by the zigzag, only three cases 
 * ``s > r`` (``src > r``): the whole arriving shard lies after the local front chunk and before
   the local back chunk: local back-half queries x the whole arriving shard, a full block.
 
-Every step is a :func:`~learner.attention.block.block_forward` call (any backend: cpu_flash,
+Every step is a :func:`~codraft.learner.attention.block.block_forward` call (any backend: cpu_flash,
 cuda_flash, math) merged by log-sum-exp into fp32 (fp64 for fp64 inputs) accumulators; the
 next shard's transfer (one batched isend/irecv on the CP group) overlaps the current block. The
 branch term (the query's own anchor in passes 2..d) is rank-local and merged in the same
@@ -33,12 +33,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from learner.attention.block import Backend, block_backward, block_forward
-from learner.attention.ring_branch import branch_backward_into, branch_merge_into, merge_into
+from codraft.learner.attention.block import Backend, block_backward, block_forward
+from codraft.learner.attention.ring_branch import (
+    branch_backward_into,
+    branch_merge_into,
+    merge_into,
+)
 
 if TYPE_CHECKING:
-    from learner.parallel.ring_comm import Ring
-    from learner.parallel.zigzag import ZigzagLayout
+    from codraft.learner.parallel.ring_comm import Ring
+    from codraft.learner.parallel.zigzag import ZigzagLayout
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -240,7 +244,7 @@ def ring_pass_attention(
     if q.shape[0] != lay.num_local:
         raise ValueError(
             f"expected {lay.num_local} local rows (this rank's zigzag shard), got q with "
-            f"{q.shape[0]}; shard the batch with learner.parallel.zigzag.shard_batch"
+            f"{q.shape[0]}; shard the batch with codraft.learner.parallel.zigzag.shard_batch"
         )
     if ring.size != lay.cp_size or ring.rank != lay.cp_rank:
         raise ValueError(

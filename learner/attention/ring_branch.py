@@ -13,7 +13,7 @@ Every row is independent. The arithmetic lives in two row functions, :func:`merg
 (``torch.compile``: each becomes a few fused kernels that read q, dout and the branch keys once
 per row, with no fp32 ``[T, Hq, D]`` temporaries per key); elsewhere, or with
 ``CODRAFT_COMPILE_BRANCH=0``, they run eagerly. Where they apply (CUDA, fp16/bf16/fp32, up to 7
-branch keys) the hand-written Triton kernels of :mod:`learner.attention.branch_triton` take
+branch keys) the hand-written Triton kernels of :mod:`codraft.learner.attention.branch_triton` take
 their place: one read of every tensor, the GQA group in one tile (``CODRAFT_BRANCH_KERNEL``
 picks explicitly). Both directions go in chunks of :data:`CHUNK`
 rows, so temporaries stay ``O(CHUNK * Hq * D)`` whatever T is (docs/context_parallel.md).
@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from learner.attention import branch_triton
+from codraft.learner.attention import branch_triton
 
 CHUNK = 8192  # rows per chunk (eager); compiled kernels take GPU_CHUNK rows
 GPU_CHUNK = 65536
@@ -125,7 +125,7 @@ def grad_rows(
 def _mode(x: Tensor, n_branch: int) -> str:
     """Which row kernels run: ``CODRAFT_BRANCH_KERNEL`` = triton | compile | eager | auto
     (default; ``CODRAFT_COMPILE_BRANCH=0`` still means eager). auto: the Triton kernels of
-    :mod:`learner.attention.branch_triton` where they apply, compiled rows on other CUDA
+    :mod:`codraft.learner.attention.branch_triton` where they apply, compiled rows on other CUDA
     calls (fp64, more than 7 branch keys), eager rows on CPU."""
     if os.environ.get("CODRAFT_COMPILE_BRANCH", "1") == "0":
         return "eager"

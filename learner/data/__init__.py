@@ -1,6 +1,6 @@
 """Learner data path: tap messages -> samples -> packed THD batches."""
 
-from learner.data.packing import (
+from codraft.learner.data.packing import (
     PackedBatch,
     Packer,
     PackerStats,

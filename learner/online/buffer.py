@@ -21,7 +21,7 @@ import zlib
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from learner.data.packing import Sample
+from codraft.learner.data.packing import Sample
 
 
 @dataclass

@@ -2,17 +2,17 @@
 
 The loop (one process; ingest and HTTP in background threads):
 
-1. ingest validates and buffers the server's tap messages (learner.online.ingest/buffer);
+1. ingest validates and buffers the server's tap messages (codraft.learner.online.ingest/buffer);
 2. once `min_buffer_tokens` are buffered, the first draft is built: the serving draft's geometry
    (read from its checkpoint when this machine can see it, else the configured one) with a
    vocabulary of the most frequent completion tokens seen so far; or, after a restart, the newest
    checkpoint in --out is resumed (model, optimizer, step) and versions keep increasing;
 3. each step trains on random buffered documents (Trainer.step);
 4. every `publish_every_steps` the candidate is evaluated on held-out captured requests (offline
-   acceptance estimate, learner.acceptance) against the draft the server is serving, and only a
-   candidate that is not worse (within `accept_margin`) is checkpointed (atomically) and
+   acceptance estimate, codraft.learner.acceptance) against the draft the server is serving, and
+   only a candidate that is not worse (within `accept_margin`) is checkpointed (atomically) and
    published; versions are numbered above whatever the server reports. The publish runs in a
-   background thread (learner.online.publish_thread) while training goes on; its outcome is
+   background thread (codraft.learner.online.publish_thread) while training goes on; its outcome is
    applied in the loop, and a stopping learner lets the last publish finish.
 """
 
@@ -28,25 +28,25 @@ from pathlib import Path
 
 import torch
 
-from client import CodraftClient
-from client.errors import CodraftConnectionError, CodraftHTTPError
+from codraft.client import CodraftClient
+from codraft.client.errors import CodraftConnectionError, CodraftHTTPError
 from codraft.draft.checkpoint import DraftCheckpointError, check_draft, load_draft
 from codraft.draft.config import DraftConfig
 from codraft.draft.model import Eagle3Draft
 from codraft.draft.vocab import build_draft_vocab
+from codraft.learner.acceptance import estimate_acceptance
+from codraft.learner.data.packing import pack
+from codraft.learner.online.buffer import BufferPolicy, SampleBuffer
+from codraft.learner.online.http import HttpThread, build_app
+from codraft.learner.online.ingest import TapIngest
+from codraft.learner.online.metrics import LearnerMetrics
+from codraft.learner.online.publish_thread import PublishJob, PublishThread
+from codraft.learner.online.publisher import Publisher, PublishOutcome
+from codraft.learner.teacher import load_embedding
+from codraft.learner.trainer import TrainConfig, Trainer
 from codraft.models.config import TargetConfig
 from codraft.prepare import resolve_model
 from codraft.tap import TapExpectation, model_fingerprint
-from learner.acceptance import estimate_acceptance
-from learner.data.packing import pack
-from learner.online.buffer import BufferPolicy, SampleBuffer
-from learner.online.http import HttpThread, build_app
-from learner.online.ingest import TapIngest
-from learner.online.metrics import LearnerMetrics
-from learner.online.publish_thread import PublishJob, PublishThread
-from learner.online.publisher import Publisher, PublishOutcome
-from learner.teacher import load_embedding
-from learner.trainer import TrainConfig, Trainer
 
 log = logging.getLogger("codraft.learn")
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from codraft.learner.data.packing import Sample
+from codraft.learner.online.buffer import SampleBuffer
 from codraft.tap import DEFAULT_LIMITS, TapExpectation, TapLimits, TapRejected, decode
-from learner.data.packing import Sample
-from learner.online.buffer import SampleBuffer
 
 log = logging.getLogger("codraft.learn.ingest")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from learner.online.publisher import PublishOutcome
+from codraft.learner.online.publisher import PublishOutcome
 
 log = logging.getLogger("codraft.learn.publish")
 

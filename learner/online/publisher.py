@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from client import CodraftClient
-from client.errors import CodraftConnectionError, CodraftHTTPError, NotNewer
+from codraft.client import CodraftClient
+from codraft.client.errors import CodraftConnectionError, CodraftHTTPError, NotNewer
 from codraft.draft.checkpoint import read_meta
 
 log = logging.getLogger("codraft.learn.publish")

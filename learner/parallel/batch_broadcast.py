@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from learner.data.packing import PackedBatch
+from codraft.learner.data.packing import PackedBatch
 
 
 def broadcast_batch(

@@ -1,7 +1,7 @@
 """Context parallelism for one training step, applied from outside the TTT code.
 
-:class:`ContextParallel` binds a :class:`~learner.parallel.mesh.ParallelMesh` to the pieces of
-one CP step: shard a packed batch (zigzag), run the TTT loss on the shard with ring attention
+:class:`ContextParallel` binds a :class:`~codraft.learner.parallel.mesh.ParallelMesh` to the pieces
+of one CP step: shard a packed batch (zigzag), run the TTT loss on the shard with ring attention
 and boundary rolls, reduce the loss denominators and the gradients over dp x cp. A trainer step
 becomes::
 
@@ -25,14 +25,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from codraft.draft.model import Eagle3Draft
-from learner.attention.block import Backend
-from learner.attention.ring import ring_pass_attention
-from learner.data.packing import PackedBatch
-from learner.parallel.mesh import ParallelMesh
-from learner.parallel.ring_comm import Ring
-from learner.parallel.roll import BoundaryRoll
-from learner.parallel.zigzag import ZigzagLayout, shard_batch, unshard
-from learner.ttt import PassAttention, TTTConfig, TTTOutput, ttt_forward
+from codraft.learner.attention.block import Backend
+from codraft.learner.attention.ring import ring_pass_attention
+from codraft.learner.data.packing import PackedBatch
+from codraft.learner.parallel.mesh import ParallelMesh
+from codraft.learner.parallel.ring_comm import Ring
+from codraft.learner.parallel.roll import BoundaryRoll
+from codraft.learner.parallel.zigzag import ZigzagLayout, shard_batch, unshard
+from codraft.learner.ttt import PassAttention, TTTConfig, TTTOutput, ttt_forward
 
 
 @dataclass
@@ -65,7 +65,7 @@ class ContextParallel:
         return Shard(layout_batch, layout, batch.cu_seqlens)
 
     def attention(self, layout: ZigzagLayout) -> PassAttention:
-        """A ``learner.ttt`` attention callable over this rank's shard (ring + branch)."""
+        """A ``codraft.learner.ttt`` attention callable over this rank's shard (ring + branch)."""
 
         def attn(q: Tensor, ks, vs, cu_seqlens: Tensor) -> Tensor:
             return ring_pass_attention(q, ks, vs, layout, self.ring, backend=self.backend)

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 import torch
 
 from codraft.draft.model import Eagle3Draft
-from learner.attention.pass_attention import pass_attention
-from learner.data.packing import PackedBatch
-from learner.parallel.pipeline import StageOutput
-from learner.teacher import Teacher
-from learner.ttt import PassAttention, TTTConfig, doc_ends, roll_left, ttt_forward
+from codraft.learner.attention.pass_attention import pass_attention
+from codraft.learner.data.packing import PackedBatch
+from codraft.learner.parallel.pipeline import StageOutput
+from codraft.learner.teacher import Teacher
+from codraft.learner.ttt import PassAttention, TTTConfig, doc_ends, roll_left, ttt_forward
 
 CountReducer = Callable[[torch.Tensor], torch.Tensor]
 

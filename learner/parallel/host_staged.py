@@ -2,7 +2,7 @@
 through host memory: the transport when the ranks of a host share its GPU(s).
 
 Why: a pipeline needs at least two ranks, and NCCL refuses two ranks on one GPU ("Duplicate GPU
-detected"). With `ParallelConfig.share_gpu` (`learner.parallel.launch`) every rank runs on
+detected"). With `ParallelConfig.share_gpu` (`codraft.learner.parallel.launch`) every rank runs on
 cuda:LOCAL_RANK % GPUs, every process group is gloo, and this module is enabled. gloo's
 send/recv take CPU tensors only, so each transfer of a CUDA tensor goes through a host copy:
 
@@ -15,8 +15,8 @@ send/recv take CPU tensors only, so each transfer of a CUDA tensor goes through 
 * `all_reduce`: through a host copy, synchronously.
 
 gloo moves bytes, so any dtype (bf16 included) goes through send/recv. A gloo request makes
-progress only inside `wait`, so `learner.parallel.p2p_wait.wait_work` waits on a `StagedWork` as
-on a CPU request (`wait(timeout)`), never by polling `is_completed`.
+progress only inside `wait`, so `codraft.learner.parallel.p2p_wait.wait_work` waits on a
+`StagedWork` as on a CPU request (`wait(timeout)`), never by polling `is_completed`.
 
 Disabled (the default, and always on the NCCL path) every function here is the torch.distributed
 call itself, unchanged. `enable(stage_cpu=True)` stages CPU tensors too (a CPU -> CPU copy): the

@@ -9,7 +9,8 @@ GPU per process, ``cuda:LOCAL_RANK``), gloo on CPU.
 Sharing GPUs (``ParallelConfig.share_gpu``, for smoke runs of multi-rank code on one GPU: NCCL
 refuses two ranks on one GPU): rank ``r`` of a host uses ``cuda:r % GPUs``, every process group
 is gloo, and point-to-point transfers of CUDA tensors are staged through host memory
-(``learner.parallel.host_staged``). Slow, and not a measure of NCCL; the numerics are the same.
+(``codraft.learner.parallel.host_staged``). Slow, and not a measure of NCCL; the numerics are the
+same.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from learner.data.packing import PackedBatch
-from learner.parallel import host_staged
-from learner.parallel.mesh import ParallelDims, ParallelMesh
+from codraft.learner.data.packing import PackedBatch
+from codraft.learner.parallel import host_staged
+from codraft.learner.parallel.mesh import ParallelDims, ParallelMesh
 
 
 @dataclass
@@ -34,7 +35,7 @@ class ParallelConfig:
     mesh's `ParallelDims` is derived from them and the world size at start-up)."""
 
     cp: int = 1  # context-parallel ranks per batch
-    pp: int = 1  # pipeline stages (recompute mode, learner.pipeline_trainer)
+    pp: int = 1  # pipeline stages (recompute mode, codraft.learner.pipeline_trainer)
     backend: str = "auto"  # "auto": nccl on CUDA, gloo on CPU
     device: str = "auto"  # "auto": cuda:LOCAL_RANK when CUDA is available, else cpu
     timeout_s: float = 600.0

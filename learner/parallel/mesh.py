@@ -112,7 +112,7 @@ class ParallelMesh:
             if dims.world_size != 1:
                 raise RuntimeError(
                     f"a mesh of world size {dims.world_size} needs torch.distributed: start "
-                    "under torchrun and call learner.parallel.launch.init_distributed (or "
+                    "under torchrun and call codraft.learner.parallel.launch.init_distributed (or "
                     "torch.distributed.init_process_group) first"
                 )
             return cls(dims, 0, dict.fromkeys(GROUP_KINDS))

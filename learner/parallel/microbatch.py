@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import torch
 
-from learner.data.packing import PackedBatch
+from codraft.learner.data.packing import PackedBatch
 
 
 def plan_microbatches(doc_tokens: list[int], n: int) -> list[range]:

@@ -11,7 +11,8 @@ How to wait differs by backend, and the code stays device-agnostic by asking the
 * CPU tensors (gloo): a gloo receive makes progress only inside `Work.wait` (`is_completed()`
   stays False until someone waits), so the wait is `work.wait(timeout)`, whose timeout error is
   re-raised as `PeerTimeout`. The same for a `StagedWork` (a device tensor's transfer staged
-  through host memory over gloo, `learner.parallel.host_staged`), whatever the tensor's device.
+  through host memory over gloo, `codraft.learner.parallel.host_staged`), whatever the tensor's
+  device.
 * other devices (NCCL): `is_completed()` reports the request's CUDA event without blocking, so
   it is polled with a short back-off until the deadline; then `work.wait()` orders the current
   stream after the transfer.
@@ -26,7 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from learner.parallel.host_staged import Request, StagedWork
+from codraft.learner.parallel.host_staged import Request, StagedWork
 
 Describe = Callable[[], str]
 

@@ -19,7 +19,7 @@ layers and the final norm, takes the taps of m from TapChannel (they usually lan
 computed), calls the consumer with the post-norm last hidden state and the (pre-norm) taps, and
 releases the landing slots.
 
-Every transfer goes through `learner.parallel.host_staged`: plain isend/irecv (NCCL on GPUs,
+Every transfer goes through `codraft.learner.parallel.host_staged`: plain isend/irecv (NCCL on GPUs,
 gloo on CPU), except when the ranks share a GPU (`ParallelConfig.share_gpu`, single-GPU smoke
 runs): then the groups are gloo and activations are staged through host memory.
 
@@ -40,15 +40,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from codraft.learner.data.packing import PackedBatch
+from codraft.learner.parallel import host_staged
+from codraft.learner.parallel.host_staged import Request
+from codraft.learner.parallel.microbatch import split_batch
+from codraft.learner.parallel.p2p_wait import PeerTimeout, check_below_watchdog, wait_work
+from codraft.learner.parallel.pipeline_mesh import PipelineGroups
+from codraft.learner.parallel.stage import TargetStage, split_layers, taps_by_stage
+from codraft.learner.parallel.tapchannel import TapChannel
 from codraft.models.config import validate_tap_layers
-from learner.data.packing import PackedBatch
-from learner.parallel import host_staged
-from learner.parallel.host_staged import Request
-from learner.parallel.microbatch import split_batch
-from learner.parallel.p2p_wait import PeerTimeout, check_below_watchdog, wait_work
-from learner.parallel.pipeline_mesh import PipelineGroups
-from learner.parallel.stage import TargetStage, split_layers, taps_by_stage
-from learner.parallel.tapchannel import TapChannel
 
 
 class PipelineTimeout(PeerTimeout):
@@ -122,7 +122,8 @@ class Pipeline:
         if stage.layer_range != self.ranges[stage.index]:
             raise ValueError(
                 f"stage {stage.index} holds layers {list(stage.layer_range)}, the pipeline "
-                f"expects {list(self.ranges[stage.index])} (learner.parallel.stage.split_layers)"
+                f"expects {list(self.ranges[stage.index])} "
+                "(codraft.learner.parallel.stage.split_layers)"
             )
         self.tap_layers = validate_tap_layers(tap_layers, stage.config.num_layers)
         self.per_stage = taps_by_stage(self.tap_layers, self.ranges)

@@ -1,9 +1,9 @@
 """A rank's pipeline inside the learner mesh, and the process groups of its TapChannel.
 
-The mesh (`learner.parallel.mesh`, pp x dp x cp) already has one "pp" group per pipeline: the
-stages that pass activations to each other. TapChannel must not share it (see
-`learner.parallel.tapchannel`), so every pipeline gets two more groups over the same ranks: one
-for tap data, one for credits. `PipelineGroups.build` creates them; like every `new_group` it is
+The mesh (`codraft.learner.parallel.mesh`, pp x dp x cp) already has one "pp" group per pipeline:
+the stages that pass activations to each other. TapChannel must not share it (see
+`codraft.learner.parallel.tapchannel`), so every pipeline gets two more groups over the same ranks:
+one for tap data, one for credits. `PipelineGroups.build` creates them; like every `new_group` it is
 collective: all ranks call it, in the same order.
 """
 
@@ -16,9 +16,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from learner.parallel.mesh import ParallelMesh
-from learner.parallel.stage import taps_by_stage
-from learner.parallel.tapchannel import TapChannel, TapChannelConfig
+from codraft.learner.parallel.mesh import ParallelMesh
+from codraft.learner.parallel.stage import taps_by_stage
+from codraft.learner.parallel.tapchannel import TapChannel, TapChannelConfig
 
 
 @dataclass

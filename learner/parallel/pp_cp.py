@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 from codraft.draft.model import Eagle3Draft
-from learner.data.packing import PackedBatch
-from learner.parallel.context import ContextParallel
-from learner.parallel.pipeline import StageOutput
-from learner.teacher import Teacher
-from learner.ttt import TTTConfig, TTTOutput
+from codraft.learner.data.packing import PackedBatch
+from codraft.learner.parallel.context import ContextParallel
+from codraft.learner.parallel.pipeline import StageOutput
+from codraft.learner.teacher import Teacher
+from codraft.learner.ttt import TTTConfig, TTTOutput
 
 
 class FeatureCollector:

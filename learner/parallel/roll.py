@@ -17,7 +17,8 @@ short document: the minimum is one token per chunk), the halo spans several chun
 round passes on the first ``shift`` rows of (chunk + halo received so far), so
 ``ceil(shift / smallest chunk)`` rounds suffice. No gradient flows (ids, masks, teacher rows).
 
-:class:`~learner.ttt.LocalRoll` is the same interface on one device (``learner.ttt.roll_left``).
+:class:`~codraft.learner.ttt.LocalRoll` is the same interface on one device
+(``codraft.learner.ttt.roll_left``).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import math
 import torch
 from torch import Tensor
 
-from learner.parallel.ring_comm import Ring
-from learner.parallel.zigzag import ZigzagLayout
-from learner.ttt import LocalRoll, Roll, doc_ends, roll_left  # noqa: F401 (re-exported)
+from codraft.learner.parallel.ring_comm import Ring
+from codraft.learner.parallel.zigzag import ZigzagLayout
+from codraft.learner.ttt import LocalRoll, Roll, doc_ends, roll_left  # noqa: F401 (re-exported)
 
 
 class BoundaryRoll:

@@ -32,8 +32,9 @@ Rules, each for a reason:
 The code is device-agnostic: CPU tensors go over gloo, CUDA tensors over NCCL p2p (on one host
 NCCL uses CUDA IPC / NVLink by itself; across hosts the network), with the same calls. Ranks that
 share a GPU (`ParallelConfig.share_gpu`, single-GPU smoke runs) use gloo groups, and every put,
-header and credit of a CUDA tensor is staged through host memory (`learner.parallel.host_staged`,
-through which all transfers here go; unchanged calls when it is off).
+header and credit of a CUDA tensor is staged through host memory
+(`codraft.learner.parallel.host_staged`, through which all transfers here go; unchanged calls when
+it is off).
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from learner.parallel import host_staged
-from learner.parallel.host_staged import Request
-from learner.parallel.p2p_wait import PeerTimeout, check_below_watchdog, wait_work
+from codraft.learner.parallel import host_staged
+from codraft.learner.parallel.host_staged import Request
+from codraft.learner.parallel.p2p_wait import PeerTimeout, check_below_watchdog, wait_work
 
 MAGIC = 0x436F5461  # "CoTa": first word of every put header
 

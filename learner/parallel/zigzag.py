@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from learner.data.packing import PackedBatch
+from codraft.learner.data.packing import PackedBatch
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def _doc_lengths(cu_seqlens: Tensor, cp_size: int) -> list[int]:
         raise ValueError(
             f"context parallelism over {cp_size} ranks needs every document's padded length to "
             f"be a multiple of 2 x cp = {2 * cp_size}; got lengths {bad}. Pack with "
-            f"pad_multiple={2 * cp_size} (learner.data.packing.pack / Packer)"
+            f"pad_multiple={2 * cp_size} (codraft.learner.data.packing.pack / Packer)"
         )
     return lengths
 

@@ -37,8 +37,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))
-sys.path.insert(1, str(HERE))
+sys.path.insert(0, str(HERE))  # bench_serving, make_prompts
 
 from bench_serving import (  # noqa: E402
     ArmSpec,
@@ -229,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if plot(report, path.with_suffix(".png")) else 1
 
     from codraft.prepare import resolve_model
-    from server.compat import require_supported
+    from codraft.server.compat import require_supported
 
     version = require_supported()
     out = Path(args.out).resolve()

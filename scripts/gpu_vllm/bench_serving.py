@@ -10,7 +10,7 @@ the plain arms run without it too), gpu_memory_utilization 0.3 by default:
 * `eagle3`    plain vLLM, EAGLE-3 with codraft's untrained draft (vocabulary = the base run's
               most frequent tokens, codraft.draft.init);
 * `codraft`   the same draft in `codraft serve`'s engine (its own command line, parsed by vLLM:
-              `server.serve_config.offline_engine_kwargs`) with the tap on, streaming full
+              `codraft.server.serve_config.offline_engine_kwargs`) with the tap on, streaming full
               features to a ZeroMQ PULL receiver in a process of its own; then the swap latency
               (`codraft_load_draft` through collective_rpc, several versions);
 * `codraft-off` the same with the tap off;
@@ -50,8 +50,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(1, str(Path(__file__).resolve().parent))  # make_prompts
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_prompts
 
 # used when no prompts file is given or found
 PROMPTS = [
@@ -214,7 +213,7 @@ def _chat(llm: Any, prompts: list[str]) -> list[str]:
 
 def engine_kwargs_for(spec: ArmSpec, tap_endpoint: str | None) -> dict[str, Any]:
     """The arm's `LLM(...)` keyword arguments: plain vLLM, or codraft serve's engine."""
-    from server.compat import engine_kwargs
+    from codraft.server.compat import engine_kwargs
 
     kwargs: dict[str, Any] = dict(
         model=spec.target,
@@ -231,7 +230,7 @@ def engine_kwargs_for(spec: ArmSpec, tap_endpoint: str | None) -> dict[str, Any]
     if spec.async_scheduling is not None:
         kwargs["async_scheduling"] = spec.async_scheduling
     if spec.codraft:
-        from server.serve_config import ServeConfig, offline_engine_kwargs
+        from codraft.server.serve_config import ServeConfig, offline_engine_kwargs
 
         cfg = ServeConfig(
             draft=spec.draft, num_speculative_tokens=spec.k, tap_endpoint=tap_endpoint,
@@ -257,7 +256,7 @@ def engine_kwargs_for(spec: ArmSpec, tap_endpoint: str | None) -> dict[str, Any]
 
 def run_arm(spec: ArmSpec) -> dict[str, Any]:
     """One engine, every measurement of this arm (runs in its own process)."""
-    from server.compat import apply_engine_env
+    from codraft.server.compat import apply_engine_env
 
     apply_engine_env()
     receiver = TapReceiver() if spec.codraft and spec.tap else None
@@ -514,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         return smoke(common, arms_wanted, source)
     from codraft.prepare import resolve_model
-    from server.compat import require_supported
+    from codraft.server.compat import require_supported
 
     version = require_supported()
     target = resolve_model(args.target)
@@ -650,7 +649,7 @@ def print_summary(report: dict) -> None:
 
 def smoke(common: dict, arms: list[str], source: str) -> int:
     """What runs without a GPU: imports, the arm plan, the tap receiver, the plot."""
-    import server.compat as compat
+    import codraft.server.compat as compat
     from codraft.draft.init import write_new_draft  # noqa: F401
 
     print(f"supported vLLM: {compat.SUPPORTED_VLLM}; installed: {compat.vllm_version()}")

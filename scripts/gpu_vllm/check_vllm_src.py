@@ -3,8 +3,10 @@
 The CUDA build of vLLM cannot run here, but its Python modules import (its compiled parts are
 looked up lazily). With the release's folder first on sys.path this script
 
-1. resolves every internal codraft hooks (`server.compat.problems()` under that version's traits);
-2. resolves the OpenAI-server pieces `codraft serve` builds on (`server.compat.serve_api()`);
+1. resolves every internal codraft hooks (`codraft.server.compat.problems()` under that version's
+   traits);
+2. resolves the OpenAI-server pieces `codraft serve` builds on
+   (`codraft.server.compat.serve_api()`);
 3. parses `codraft serve`'s vLLM command line with the release's own parser (the release's
    engine defaults included, e.g. --no-async-scheduling on 0.26) and checks the fields
    `codraft serve` reads from it;
@@ -43,7 +45,7 @@ ENGINE_MODULES = (
     "vllm.model_executor.models.llama",
     "vllm.model_executor.models.llama_eagle3",
     "vllm.model_executor.model_loader.reload",
-    "server.worker_ext",
+    "codraft.server.worker_ext",
 )
 SERVER_MODULES = (
     "vllm.v1.engine.async_llm",
@@ -53,11 +55,11 @@ SERVER_MODULES = (
     "vllm.entrypoints.openai.chat_completion.serving",
     "vllm.entrypoints.openai.completion.serving",
     "vllm.entrypoints.scale_out.factories",
-    "server.serve",
-    "server.api",
-    "server.metrics",
-    "learner.online.daemon",
-    "client",
+    "codraft.server.serve",
+    "codraft.server.api",
+    "codraft.server.metrics",
+    "codraft.learner.online.daemon",
+    "codraft.client",
 )
 # Fields of the parsed `vllm serve` arguments that server/serve.py reads.
 SERVE_ARGS = (
@@ -120,11 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (src / "vllm" / "__init__.py").is_file():
         print(f"{src}: no vllm package (unzip the wheel there)", file=sys.stderr)
         return 2
-    sys.path[:0] = [str(src), str(ROOT)]
+    sys.path.insert(0, str(src))
     import vllm
 
     version = str(vllm.__version__).split("+")[0]
-    import server.compat as compat
+    import codraft.server.compat as compat
 
     compat.vllm_version = lambda: version  # the tree's version, not the installed build's
     _use_cpu_platform()
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         report["serve_api_error"] = f"{type(e).__name__}: {e}"
         api = None
     if api is not None:
-        from server.serve_config import ServeConfig, vllm_argv
+        from codraft.server.serve_config import ServeConfig, vllm_argv
 
         argv_ = vllm_argv(ServeConfig(tap_endpoint="tcp://127.0.0.1:5557"), ROOT, ROOT)
         report["serve_argv"] = argv_

