@@ -349,7 +349,7 @@ def test_torchrun_accepts_the_learner_launch(overlay):
     assert ns.module and ns.training_script == "codraft.cli" and ns.rdzv_backend == "c10d"
     assert ns.training_script_args[0] == "learn"
     assert find_spec("codraft.cli") is not None  # what `-m codraft.cli` runs
-    assert 'if __name__ == "__main__":' in (ROOT / "codraft" / "cli.py").read_text()
+    assert 'if __name__ == "__main__":' in (ROOT / "codraft" / "cli" / "__main__.py").read_text()
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
