@@ -37,15 +37,21 @@ from typing import Any
 
 import torch
 
+from codraft.experiments.rl.grpo import GRPOConfig, group_advantages
+from codraft.experiments.rl.lossless import check_greedy, check_logprobs, check_sampling
+from codraft.experiments.rl.plot import plot_arms
+from codraft.experiments.rl.policy import Policy, PolicyConfig, Rollout
+from codraft.experiments.rl.reward import INSTRUCTION, RewardConfig, score
+from codraft.experiments.rl.rollout import SamplingConfig, greedy, sample_groups
+from codraft.experiments.rl.servers import (
+    ArmServer,
+    CodraftArm,
+    EngineFlags,
+    LearnerFlags,
+    PlainArm,
+)
 from codraft.prepare import resolve_model
 from codraft.prompts import reasoning_prompts
-from codraft.rl.grpo import GRPOConfig, group_advantages
-from codraft.rl.lossless import check_greedy, check_logprobs, check_sampling
-from codraft.rl.plot import plot_arms
-from codraft.rl.policy import Policy, PolicyConfig, Rollout
-from codraft.rl.reward import INSTRUCTION, RewardConfig, score
-from codraft.rl.rollout import SamplingConfig, greedy, sample_groups
-from codraft.rl.servers import ArmServer, CodraftArm, EngineFlags, LearnerFlags, PlainArm
 
 ARMS = ("nospec", "frozen", "cotrain")
 

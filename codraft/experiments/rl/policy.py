@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from codraft.atomic import atomic_write_dir
+from codraft.experiments.rl.grpo import GRPOConfig, policy_loss
 from codraft.models.llama import safetensors_files
-from codraft.rl.grpo import GRPOConfig, policy_loss
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from codraft.rl.policy import Policy
+from codraft.experiments.rl.policy import Policy
 
 
 @dataclass
