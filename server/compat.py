@@ -425,5 +425,5 @@ def reload_weights_inplace(
     if vllm_config.model_config.quantization is None and loaded is not None:
         missing = {name for name, _ in model.named_parameters()} - set(loaded)
         if missing:
-            # expected: the drafter shares the target's embedding (swap.py quiets 0.32's warning)
+            # expected: the drafter shares the target's embedding (weights.py quiets 0.32's warning)
             log.debug("weights not loaded from the checkpoint: %s", sorted(missing))

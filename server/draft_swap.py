@@ -9,7 +9,7 @@ engine does not step meanwhile, and an RPC can only start at a step boundary. He
   a version that is not newer (409) or a missing path (404), notes the checkpoint files'
   identity (device, inode, size, mtime), starts a background thread and returns a ticket at
   once. The thread reads and checks the checkpoint while a second thread hashes it
-  (`codraft.server.swap.open_draft`, `codraft.server.draft_read`: the bytes hashed are the bytes
+  (`codraft.server.weights.open_draft`, `codraft.server.draft_read`: the bytes hashed are the bytes
   installed), builds the drafter's kernel-format weights from them
   (`codraft.server.draft_kernels.stage_kernels`) and then waits for the sha256; the engine keeps
   stepping (file reads, hashlib and torch kernels release the GIL). `version` None takes the
@@ -52,7 +52,7 @@ from codraft.draft.checkpoint import CONFIG_NAME, META_NAME, WEIGHTS_NAME
 from codraft.server.draft_kernels import StageError, install, snapshot_live, stage_kernels
 from codraft.server.draft_read import BufferPool
 from codraft.server.hooks import drafter_model, target_model
-from codraft.server.swap import (
+from codraft.server.weights import (
     DraftSlot,
     SwapError,
     check_request,

@@ -197,10 +197,11 @@ def resolve_draft(cfg: ServeConfig, model: Path) -> Path:
 
 
 def engine_settings(cfg: ServeConfig, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """vLLM's additional_config carrying the worker extension's settings (codraft.server.config):
-    the tap flags, under any `codraft` keys given in a passed-through --additional-config (those
-    win: it is how to reach the engine settings that have no flag here)."""
-    from codraft.server.config import ADDITIONAL_CONFIG_KEY, EngineConfig
+    """vLLM's additional_config carrying the worker extension's settings
+    (codraft.server.engine_config): the tap flags, under any `codraft` keys given in a
+    passed-through --additional-config (those win: it is how to reach the engine settings that
+    have no flag here)."""
+    from codraft.server.engine_config import ADDITIONAL_CONFIG_KEY, EngineConfig
 
     extra = dict(extra or {})
     given = extra.get(ADDITIONAL_CONFIG_KEY) or {}

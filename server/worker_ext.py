@@ -78,11 +78,11 @@ import torch
 from codraft.server.acceptance import Acceptance, should_roll_back
 from codraft.server.capture import Capture, StepContext, TapTarget
 from codraft.server.compat import require_supported
-from codraft.server.config import EngineConfig, check_endpoint, check_sample_rate
 from codraft.server.draft_swap import DraftSwapper
+from codraft.server.engine_config import EngineConfig, check_endpoint, check_sample_rate
 from codraft.server.hooks import RunnerHooks, StepListener, StepRecord
 from codraft.server.publisher import PublisherStats, TapPublisher, sampled
-from codraft.server.swap import (
+from codraft.server.weights import (
     DraftSlot,
     PolicySlot,
     SwapError,

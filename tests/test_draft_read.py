@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from codraft.draft.checkpoint import DraftCheckpointError, load_draft, sha256_file
 from codraft.draft.init import write_new_draft
 from codraft.server.draft_read import BufferPool, read_checked
-from codraft.server.swap import load_checked
+from codraft.server.weights import load_checked
 
 
 def _fix_sha(d: Path) -> None:

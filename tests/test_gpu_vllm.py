@@ -64,7 +64,7 @@ def test_worker_extension_takes_every_engine_mode() -> None:
     capture is configured at load, codraft.server.hooks); pipeline parallelism still is refused."""
     from vllm.config import CUDAGraphMode
 
-    from codraft.server.swap import SwapError
+    from codraft.server.weights import SwapError
     from codraft.server.worker_ext import CodraftEngine
 
     def engine(pp: int = 1) -> SimpleNamespace:

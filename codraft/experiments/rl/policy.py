@@ -5,7 +5,7 @@ also gives the policy's own log-probs of the sampled tokens before the update, w
 with the ones the server reported. `Policy.save` writes the weights as one safetensors file with
 exactly the tensor names of the served model folder (a tied lm_head stays out when the folder has
 none) plus that folder's config and tokenizer files: the layout `POST /v1/policy` checks
-(codraft.server.swap.check_policy) and vLLM's reload streams in.
+(codraft.server.weights.check_policy) and vLLM's reload streams in.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Live draft swap and policy reload, between engine steps, through vLLM's own load path.
+"""Weight checks and writes: a new draft or policy checked, then written into the running engine
+between steps through vLLM's own load path.
 
 Draft swap. A new checkpoint is read into memory once and checked (`load_checked`, or
 `open_draft` for a swap: the checks of `codraft.draft.load_draft` by `codraft.server.draft_read`;
