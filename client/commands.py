@@ -25,7 +25,7 @@ from codraft.client.errors import (
     NotReady,
 )
 from codraft.client.models import DraftInfo, TapInfo
-from codraft.client.settings import DEFAULT_SERVER, SERVER_ENV, TOKEN_ENV, read_token_file
+from codraft.client.settings import DEFAULT_SERVER, SERVER_ENV, TOKEN_ENV, resolve_token
 from codraft.client.status import collect_status, render
 
 OK, REFUSED, USAGE, UNREACHABLE = 0, 1, 2, 3
@@ -184,11 +184,7 @@ def _name(args: argparse.Namespace) -> str:
 
 
 def _client(args: argparse.Namespace) -> CodraftClient:
-    token = args.token
-    if args.token is not None and args.token_file is not None:
-        raise InvalidRequest("give --token or --token-file, not both")
-    if args.token_file is not None:
-        token = read_token_file(args.token_file)
+    token = resolve_token(args.token, args.token_file)
     timeout = (
         {} if args.timeout is None else {"timeout": args.timeout, "load_timeout": args.timeout}
     )

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from codraft.client.errors import InvalidRequest
+from codraft.control_token import TOKEN_ENV, resolve_control_token
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 SERVER_ENV = "CODRAFT_SERVER"
-TOKEN_ENV = "CODRAFT_CONTROL_TOKEN"
+__all__ = ["DEFAULT_SERVER", "SERVER_ENV", "TOKEN_ENV", "resolve_base_url", "resolve_token"]
 
 
 def resolve_base_url(base_url: str | None = None) -> str:
@@ -26,19 +26,13 @@ def resolve_base_url(base_url: str | None = None) -> str:
     return url.removesuffix("/v1")
 
 
-def resolve_token(token: str | None = None) -> str | None:
-    """`token`, else $CODRAFT_CONTROL_TOKEN; surrounding whitespace dropped; empty means none."""
-    value = token if token is not None else os.environ.get(TOKEN_ENV)
-    value = (value or "").strip()
-    return value or None
-
-
-def read_token_file(path: str | os.PathLike) -> str:
-    """The token in file `path` (whitespace stripped); InvalidRequest if unreadable or empty."""
+def resolve_token(
+    token: str | None = None, token_file: str | os.PathLike | None = None
+) -> str | None:
+    """`token`, else the contents of `token_file`, else $CODRAFT_CONTROL_TOKEN; None when none
+    is set (`codraft.control_token`, the server's and the learner's rules too). InvalidRequest
+    when both are given, the file is unreadable or empty, or the token is not a usable one."""
     try:
-        value = Path(path).read_text().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"cannot read the token file {path}: {e}") from None
-    if not value:
-        raise InvalidRequest(f"the token file {path} is empty; expected the control token")
-    return value
+        return resolve_control_token(token, token_file)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None

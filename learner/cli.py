@@ -12,9 +12,9 @@ import argparse
 import json
 import logging
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING
 
+from codraft.control_token import resolve_control_token
 from codraft.learner.offline import OfflineConfig
 from codraft.learner.parallel.launch import ParallelConfig
 from codraft.learner.pipeline_trainer import PipelineTrainConfig
@@ -122,20 +122,14 @@ def offline_config_from_args(args: argparse.Namespace) -> OfflineConfig:
     )
 
 
-def _token(args: argparse.Namespace) -> str | None:
-    if args.token:
-        return args.token
-    if args.token_file:
-        return Path(args.token_file).read_text().strip()
-    return os.environ.get("CODRAFT_CONTROL_TOKEN") or None
-
-
 def online_config_from_args(args: argparse.Namespace) -> OnlineConfig:
+    """The online learner's settings; ValueError when the control token options are unusable
+    (`codraft.control_token`: --token, else --token-file, else $CODRAFT_CONTROL_TOKEN)."""
     from codraft.learner.online.daemon import OnlineConfig
 
     return OnlineConfig(
         server=args.server,
-        token=_token(args),
+        token=resolve_control_token(args.token, args.token_file),
         tap=args.tap,
         target=args.target,
         out=args.out,
@@ -175,7 +169,11 @@ def main(args: argparse.Namespace) -> int:
         )
     from codraft.learner.online.daemon import OnlineLearner
 
-    learner = OnlineLearner(online_config_from_args(args))
+    try:
+        cfg = online_config_from_args(args)
+    except ValueError as e:
+        raise SystemExit(f"codraft learn: {e}") from None
+    learner = OnlineLearner(cfg)
     learner.install_signal_handlers()
     print(json.dumps(learner.run(), indent=2))
     return 0

@@ -13,14 +13,15 @@ import dataclasses
 import ipaddress
 import json
 import logging
-import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from codraft.control_token import TOKEN_ENV, check_token_sources, resolve_control_token
+
 log = logging.getLogger("codraft.serve")
 
-TOKEN_ENV = "CODRAFT_CONTROL_TOKEN"
+TOKEN_FLAGS = ("--control-token", "--control-token-file")
 TAP_MODES = ("full", "ids", "off")
 
 
@@ -57,8 +58,7 @@ class ServeConfig:
             raise ValueError(f"tap_mode must be one of {TAP_MODES}, got {self.tap_mode!r}")
         if not 0.0 <= self.tap_sample_rate <= 1.0:
             raise ValueError(f"tap_sample_rate must be in [0, 1], got {self.tap_sample_rate}")
-        if self.control_token is not None and self.control_token_file is not None:
-            raise ValueError("give --control-token or --control-token-file, not both")
+        check_token_sources(self.control_token, self.control_token_file, TOKEN_FLAGS)
         for name in ("port", "control_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
@@ -72,25 +72,8 @@ class ServeConfig:
 
     def resolve_token(self) -> str | None:
         """The control token from --control-token, --control-token-file or $CODRAFT_CONTROL_TOKEN
-        (first set wins); None when none is configured."""
-        if self.control_token is not None:
-            token = self.control_token
-        elif self.control_token_file is not None:
-            path = Path(self.control_token_file)
-            try:
-                token = path.read_text()
-            except OSError as e:
-                raise ValueError(f"--control-token-file {path}: cannot read it ({e})") from e
-        else:
-            token = os.environ.get(TOKEN_ENV)
-            if token is None:
-                return None
-        token = token.strip()
-        if not token:
-            raise ValueError("the control token is empty; give a non-empty token or none at all")
-        if any(c.isspace() for c in token) or not token.isprintable():
-            raise ValueError("the control token must be printable and contain no whitespace")
-        return token
+        (first set wins); None when none is configured (`codraft.control_token`)."""
+        return resolve_control_token(self.control_token, self.control_token_file, flags=TOKEN_FLAGS)
 
     def check_exposure(self, token: str | None) -> None:
         """Refuse to expose unauthenticated control routes beyond the loopback interface."""
