@@ -79,8 +79,10 @@ def parse_args() -> argparse.Namespace:
 # ------------------------------------------------------------------------------- set-up
 def write_drafts(model: Path, out: Path, vocab: int) -> tuple[Path, Path]:
     from codraft.draft.init import write_new_draft
+    from codraft.models.config import TargetConfig
 
     common = dict(version=0, draft_vocab_size=vocab, dtype="float32", overwrite=True)
+    common["target_config"] = TargetConfig.from_pretrained(model)
     a = write_new_draft(out / "draft-a", model, seed=0, **common)
     b = write_new_draft(out / "draft-b", model, seed=1, **common)
     return a, b

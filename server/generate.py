@@ -54,12 +54,15 @@ def main(args: argparse.Namespace) -> int:
         from codraft.draft.init import write_new_draft
         from codraft.models.config import TargetConfig
 
-        vocab = TargetConfig.from_pretrained(target).vocab_size
+        tcfg = TargetConfig.from_pretrained(target)
+        vocab = tcfg.vocab_size
         counts = torch.zeros(vocab, dtype=torch.int64)
         for ids in base.token_ids:
             counts += torch.bincount(torch.tensor(ids, dtype=torch.int64), minlength=vocab)
         draft = out / f"draft-untrained-{time.strftime('%Y%m%d-%H%M%S')}"
-        write_new_draft(draft, target, counts, draft_vocab_size=min(args.draft_vocab, vocab))
+        write_new_draft(
+            draft, target, counts, draft_vocab_size=min(args.draft_vocab, vocab), target_config=tcfg
+        )
         print(f"      built an untrained EAGLE-3 draft at {draft}")
     print(f"[2/2] vLLM with EAGLE-3 draft {draft.name}, k={args.k} ...", flush=True)
     spec = run_arm_subprocess(

@@ -172,7 +172,9 @@ def resolve_draft(cfg: ServeConfig, model: Path) -> Path:
         check_draft(out)
     except DraftCheckpointError:
         try:
-            write_new_draft(out, model, version=0, overwrite=out.exists(), **kwargs)
+            write_new_draft(
+                out, model, version=0, overwrite=out.exists(), target_config=target, **kwargs
+            )
         except FileExistsError:  # another server wrote it meanwhile
             check_draft(out)
     log.warning("no --draft given: serving an untrained EAGLE-3 draft (version 0) at %s", out)

@@ -402,6 +402,21 @@ def test_full_vocab_draft_has_no_d2t(tmp_path: Path) -> None:
     assert torch.equal(loaded.draft_to_target_ids(), torch.arange(100))
 
 
+def test_write_new_draft_takes_the_config_already_read(tiny_llama_dir: Path, tmp_path) -> None:
+    """A caller that parsed the target's config.json hands it on; the draft is the same."""
+    from codraft.draft.init import write_new_draft
+    from codraft.models.config import TargetConfig
+
+    read = write_new_draft(tmp_path / "read", tiny_llama_dir, draft_vocab_size=64, seed=2)
+    cfg = TargetConfig.from_pretrained(tiny_llama_dir)
+    nowhere = tmp_path / "no-target-here"  # nothing is read from the folder
+    given = write_new_draft(
+        tmp_path / "given", nowhere, draft_vocab_size=64, seed=2, target_config=cfg
+    )
+    assert (read / "config.json").read_text() == (given / "config.json").read_text()
+    assert sha256_file(read / "model.safetensors") == sha256_file(given / "model.safetensors")
+
+
 def test_transformers_reads_the_config(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     out = save_draft(tmp_path / "c", random_draft(tiny_cfg()), DraftMeta(version=1))

@@ -43,9 +43,13 @@ def write_new_draft(
     *,
     version: int = 0,
     overwrite: bool = False,
+    target_config: TargetConfig | None = None,
     **kwargs,
 ) -> Path:
-    """`new_draft` for the target folder `target_dir`, saved as checkpoint `out_dir`."""
-    target = TargetConfig.from_pretrained(target_dir)
+    """`new_draft` for the target folder `target_dir`, saved as checkpoint `out_dir`.
+    `target_config`: the folder's parsed config.json, when the caller has read it already."""
+    target = (
+        target_config if target_config is not None else TargetConfig.from_pretrained(target_dir)
+    )
     model = new_draft(target, token_counts, **kwargs)
     return save_draft(out_dir, model, DraftMeta(version=version), overwrite=overwrite)

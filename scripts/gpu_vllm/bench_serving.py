@@ -366,7 +366,8 @@ def make_drafts(target: Path, base: dict, out: Path, n_swaps: int, vocab: int) -
     from codraft.draft.init import write_new_draft
     from codraft.models.config import TargetConfig
 
-    size = TargetConfig.from_pretrained(target).vocab_size
+    tcfg = TargetConfig.from_pretrained(target)
+    size = tcfg.vocab_size
     counts = torch.zeros(size, dtype=torch.int64)
     for b in base["batches"]:
         for ids in b["token_ids"]:
@@ -375,7 +376,9 @@ def make_drafts(target: Path, base: dict, out: Path, n_swaps: int, vocab: int) -
     for v in range(n_swaps + 1):
         d = out / f"draft-untrained-v{v}"
         shutil.rmtree(d, ignore_errors=True)
-        write_new_draft(d, target, counts, version=v, draft_vocab_size=min(vocab, size))
+        write_new_draft(
+            d, target, counts, version=v, draft_vocab_size=min(vocab, size), target_config=tcfg
+        )
         dirs.append(d)
     return dirs
 
