@@ -28,12 +28,12 @@ passes forward + backward of the same per-rank shapes with random q/k/v (same me
 whose time divided by the step's is the attention share reported. A case that runs out of
 memory is recorded as ``"status": "oom"`` and the run goes on.
 
-    PYTHONPATH=. torchrun --standalone --nproc-per-node 8 scripts/bench_cp_train.py \\
+    torchrun --standalone --nproc-per-node 8 scripts/bench_cp_train.py \\
         --out docs/bench/cp_train_cp8.json
-    PYTHONPATH=. python scripts/bench_cp_train.py --out docs/bench/cp_train_cp1.json   # CP = 1
-    PYTHONPATH=. python scripts/bench_cp_train.py --combine docs/bench/cp_train_cp*.json \\
+    python scripts/bench_cp_train.py --out docs/bench/cp_train_cp1.json   # CP = 1
+    python scripts/bench_cp_train.py --combine docs/bench/cp_train_cp*.json \\
         --out docs/bench/cp_train.json                 # efficiency, ratios, table, PNG
-    PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_cp_train.py --smoke --out /tmp/x.json
+    torchrun --nproc-per-node 2 scripts/bench_cp_train.py --smoke --out /tmp/x.json
 
 docs/benchmarks.md ("Context-parallel draft training") has the commands per CP and what to expect.
 

@@ -28,8 +28,8 @@ draft saw and the draft's loss are identical in the three modes, from the same d
 steps, and the one that captures the off mode's taps, leave the draft and its optimizer as they
 were) and times the tap transfer alone (one step's taps moved with nothing else running).
 
-    PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_pp_train.py --out runs/pp_train_pp2.json
-    PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_pp_train.py --smoke   # CPU, gloo, tiny
+    torchrun --nproc-per-node 2 scripts/bench_pp_train.py --out runs/pp_train_pp2.json
+    torchrun --nproc-per-node 2 scripts/bench_pp_train.py --smoke   # CPU, gloo, tiny
 
 On a host with fewer GPUs than ranks (or with --share-gpu) the ranks share the GPU(s): every
 process group is gloo and every transfer of a CUDA tensor (activations, taps, credits, the
@@ -37,7 +37,7 @@ script's all-reduces) is staged through host memory (`codraft.learner.parallel.h
 runs the PP pipeline and all its checks on one GPU, but its times are not NCCL figures: the JSON's
 "transport" says which transport ran, and the output says so too.
 
-    PYTHONPATH=. torchrun --standalone --nproc-per-node 2 scripts/bench_pp_train.py --smoke \
+    torchrun --standalone --nproc-per-node 2 scripts/bench_pp_train.py --smoke \
         --device cuda   # one GPU, shared by both stages
 
 Needs torch only (matplotlib for the PNG, when installed). Writes the JSON after every

@@ -32,8 +32,6 @@ import torch
 from codraft.testing import CONSTANT_TOKEN as CONSTANT
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # when run as the driver script
-    sys.path.insert(0, str(REPO))
 
 K = 3  # speculative tokens per step
 DV = 64  # draft vocab size of every test draft (as codraft.testing.make_agreeing_draft's)
