@@ -311,13 +311,16 @@ def check_swap(m: dict, args: argparse.Namespace, work: Path) -> dict:
 def capture_error(targets: dict[int, str], messages: list[dict]) -> dict:
     """Captured features of each request against one fresh fp32 prefill of codraft's own model
     of the policy that served it (the constant target's features are its embeddings; the random
-    target's go through every layer)."""
+    target's go through every layer). The bound is relative to the reference's largest value:
+    vLLM's fp32 kernels on a GPU (TF32 matrix products, Triton attention) round differently from
+    the CPU reference by about 1e-3 of the values' scale; a wrong row is off by its whole scale."""
     import torch
 
     from codraft.models.llama import load_target
 
     models = {v: load_target(t) for v, t in targets.items()}
-    worst, n = 0.0, 0
+    worst = worst_rel = 0.0
+    n = 0
     with torch.no_grad():
         for msg in messages:
             model = models.get(msg["policy_version"])
@@ -325,15 +328,14 @@ def capture_error(targets: dict[int, str], messages: list[dict]) -> dict:
                 continue
             ids = torch.tensor([msg["ids"]])
             ref = model(ids, tap_layers=msg["tap_layers"], return_logits=False)
-            got_taps, got_last = torch.tensor(msg["taps"]), torch.tensor(msg["last"])
-            err = max(
-                float((got_taps - ref.taps[0]).abs().max()),
-                float((got_last - ref.last_hidden[0]).abs().max()),
-            )
-            worst, n = max(worst, err), n + 1
+            for got, want in ((msg["taps"], ref.taps[0]), (msg["last"], ref.last_hidden[0])):
+                err = float((torch.tensor(got) - want).abs().max())
+                worst = max(worst, err)
+                worst_rel = max(worst_rel, err / max(float(want.abs().max()), 1e-6))
+            n += 1
     by_policy = Counter(m["policy_version"] for m in messages)
     return {"requests": n, "by_policy": dict(by_policy), "max_abs_error": worst,
-            "ok": n > 0 and worst < 2e-3}  # fmt: skip
+            "max_rel_error": worst_rel, "ok": n > 0 and worst_rel < 1e-2}  # fmt: skip
 
 
 def _free_port() -> int:
