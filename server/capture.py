@@ -56,14 +56,6 @@ MAX_OUT_OF_ORDER = 256
 
 
 # ---------------------------------------------------------------------------- stop rule
-def stop_after(
-    new_tokens: list[int], n_out: int, prompt_len: int, sp: Any, max_model_len: int
-) -> int | None:
-    """How many of `new_tokens` the scheduler keeps when one of them ends the request (else
-    None): vLLM's check_stop per token, in its order (min_tokens, EOS, stop token ids, length)."""
-    return StopRule.of(sp, prompt_len, max_model_len).keep(new_tokens, n_out)
-
-
 # ---------------------------------------------------------------------------- requests
 @dataclass
 class NewRequest:
@@ -499,8 +491,6 @@ class Capture:
         """A step's tokens (None: it produced none); records may come out of order."""
         with self._lock:
             self._waiting[record.seq] = (record, sampled)
-            if record.seq < self._next:
-                self._next = record.seq  # a new hooks instance restarted the numbering
             while True:
                 item = self._waiting.pop(self._next, None)
                 if item is None:

@@ -51,19 +51,17 @@ class ReqSlice:
     num_tokens: int  # rows scheduled this step
     num_drafts: int  # of which draft proposals (the last ones)
 
-    def accepted(self, sampled: list[int]) -> int:
-        return min(max(len(sampled) - 1, 0), self.num_drafts)
 
-    def final_rows(self, sampled: list[int]) -> int:
-        return final_rows(self, sampled)
+# Functions, not methods: they run for every request of every step.
+def accepted(s: ReqSlice, sampled: list[int]) -> int:
+    """Draft proposals of `s` the target accepted, given what the step sampled for it (the
+    accepted drafts and one bonus/correction token)."""
+    return min(max(len(sampled) - 1, 0), s.num_drafts)
 
 
 def final_rows(s: ReqSlice, sampled: list[int]) -> int:
-    """How many leading rows of `s` are final once the step sampled `sampled` for it: the
-    scheduled rows minus the rejected proposals (a function, not a method: it runs for every
-    request of every step)."""
-    drafts = s.num_drafts
-    return s.num_tokens - drafts + min(max(len(sampled) - 1, 0), drafts)
+    """How many leading rows of `s` are final: the scheduled rows minus the rejected proposals."""
+    return s.num_tokens - s.num_drafts + accepted(s, sampled)
 
 
 @dataclass

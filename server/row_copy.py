@@ -39,10 +39,6 @@ class StagedRows:
     stream: Any = None  # the side stream the host copy runs on
     _release: Any = field(default=None, repr=False)
 
-    @property
-    def num_rows(self) -> int:
-        return int(self.ids.shape[0])
-
     def to_host(self) -> None:
         """Copy the rows to host memory (blocks the calling thread, never the engine's)."""
         if self.ready is None:

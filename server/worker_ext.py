@@ -75,6 +75,7 @@ from typing import Any
 
 import torch
 
+from codraft.server import hooks
 from codraft.server.acceptance import Acceptance, should_roll_back
 from codraft.server.capture import Capture, StepContext, TapTarget
 from codraft.server.compat import require_supported
@@ -275,10 +276,10 @@ class CodraftEngine(StepListener):
             return
         drafts = draft_tokens = accepted = 0
         for s, toks in zip(record.slices, sampled_ids, strict=True):
-            if k := s.num_drafts:  # ReqSlice.accepted, inline: this loop runs every step
+            if s.num_drafts:
                 drafts += 1
-                draft_tokens += k
-                accepted += min(max(len(toks) - 1, 0), k)
+                draft_tokens += s.num_drafts
+                accepted += hooks.accepted(s, toks)
         self.acceptance.record(record.context.proposer_version, drafts, draft_tokens, accepted)
         if (
             self.cfg.auto_rollback

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from codraft.server.capture import Capture, NewRequest, StepContext, TapTarget, stop_after
+from codraft.server.capture import Capture, NewRequest, StepContext, StopRule, TapTarget
 from codraft.server.hooks import ReqSlice, StepRecord
 from codraft.server.row_copy import StagedRows
 
@@ -158,6 +158,9 @@ def test_rows_of_a_request_whose_policy_changed_are_not_sent() -> None:
 
 
 def test_stop_rule_follows_the_scheduler() -> None:
+    def stop_after(toks, n_out, prompt_len, sp, max_model_len):
+        return StopRule.of(sp, prompt_len, max_model_len).keep(toks, n_out)
+
     sp = _sp(eos_token_id=2, stop_token_ids=[7], max_tokens=10, min_tokens=3)
     assert stop_after([2, 2, 5], 0, 4, sp, 100) is None  # EOS before min_tokens is kept going
     assert stop_after([5, 5, 2, 5], 0, 4, sp, 100) == 3

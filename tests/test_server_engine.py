@@ -785,19 +785,6 @@ def test_rollback_rule_needs_a_full_window() -> None:
     assert acc.snapshot()["1"]["acceptance_length"] == pytest.approx(1 + 18 / 8)
 
 
-def test_stop_rule_matches_the_scheduler() -> None:
-    from types import SimpleNamespace
-
-    from codraft.server.capture import stop_after
-
-    sp = SimpleNamespace(eos_token_id=2, stop_token_ids=[7], max_tokens=10)
-    assert stop_after([5, 2, 9], 0, 4, sp, 100) == 2  # EOS kept, later tokens dropped
-    assert stop_after([5, 7], 3, 4, sp, 100) == 2
-    assert stop_after([5, 6, 8], 8, 4, sp, 100) == 2  # max_tokens
-    assert stop_after([5, 6, 8], 0, 98, sp, 100) == 2  # max_model_len
-    assert stop_after([5, 6], 0, 4, sp, 100) is None
-
-
 def test_tap_buffer_keeps_rows_by_position() -> None:
     import numpy as np
 
