@@ -156,20 +156,23 @@ class TapTarget:
 @dataclass
 class TapBuffer:
     """Captured rows of one request: positions base .. base+length-1 (rows before `base` went
-    out in earlier chunks). Lives in the assembler thread. Rows are numpy views of each step's
-    copy (`feats`: [n, T + 1, H], the wire dtype's bits as an integer type: slicing numpy views
-    costs a fraction of slicing tensors, which matters once per request per step)."""
+    out in earlier chunks), in arrays of its own: `ids` [cap], `taps` [cap, T * H] and `last`
+    [cap, H], features as the wire dtype's bits in a same-width integer type (numpy has no
+    bf16). A step's rows are copied in once (`put`); a message's frames are views of these
+    arrays (`take`), never copied again. Lives in the assembler thread."""
 
     state: ReqState
+    capacity: int = 256  # rows of the first allocation; it doubles when more come
     base: int = 0
     length: int = 0
-    ids: list[np.ndarray] = field(default_factory=list)
-    feats: list[np.ndarray] = field(default_factory=list)
+    ids: np.ndarray | None = None
+    taps: np.ndarray | None = None
+    last: np.ndarray | None = None
     chunks_sent: int = 0
     broken: str | None = None  # why it cannot be sent
 
     def put(self, position: int, ids: np.ndarray, feats: np.ndarray) -> None:
-        """Rows for positions position .. position+len(ids)-1."""
+        """Rows for positions position .. position+len(ids)-1; `feats` [n, T + 1, H]."""
         n = ids.shape[0]
         end = self.base + self.length
         if position > end:
@@ -181,28 +184,62 @@ class TapBuffer:
         skip = max(self.base - position, 0)  # rows already sent in a chunk
         if skip >= n:
             return
-        if position + skip < end:  # recomputed rows (preemption): keep the new ones
-            self.truncate(position + skip - self.base)
-        self.ids.append(ids[skip:])
-        self.feats.append(feats[skip:])
-        self.length += n - skip
+        row, m = position + skip - self.base, n - skip  # recomputed rows (preemption) replace
+        self._reserve(row + m, feats)  # the old ones and whatever followed them
+        T = feats.shape[1] - 1
+        self.ids[row : row + m] = ids[skip:]
+        self.taps[row : row + m].reshape(m, T, -1)[...] = feats[skip:, :T]
+        self.last[row : row + m] = feats[skip:, T]
+        self.length = row + m
+
+    def _reserve(self, rows: int, feats: np.ndarray) -> None:
+        if self.ids is None:
+            T1, H = feats.shape[1:]
+            cap = max(self.capacity, rows)
+            self.ids = np.empty(cap, np.int32)
+            self.taps = np.empty((cap, (T1 - 1) * H), feats.dtype)
+            self.last = np.empty((cap, H), feats.dtype)
+        elif rows > self.ids.shape[0]:
+            self._move(0, max(rows, 2 * self.ids.shape[0]))
+
+    def _move(self, start: int, cap: int) -> None:
+        """Rows start .. length-1 into fresh arrays of `cap` rows (the old ones stay as they
+        are: messages may still be reading them)."""
+        keep = self.length - start
+        old = (self.ids, self.taps, self.last)
+        self.ids, self.taps, self.last = (
+            np.empty((cap, *a.shape[1:]), a.dtype) for a in old
+        )
+        for new, a in zip((self.ids, self.taps, self.last), old, strict=True):
+            new[:keep] = a[start : self.length]
 
     def truncate(self, n: int) -> None:
         """Keep the first n buffered rows."""
-        if n >= self.length:
-            return
-        self.ids = [np.concatenate(self.ids)[:n]] if n else []
-        self.feats = [np.concatenate(self.feats)[:n]] if n else []
-        self.length = n
+        self.length = min(self.length, n)
 
-    def take(self, n: int) -> tuple[int, np.ndarray, np.ndarray]:
-        """Remove and return the first n rows as (position, ids, feats)."""
-        ids, feats = np.concatenate(self.ids), np.concatenate(self.feats)
-        pos = self.base
-        self.ids, self.feats = [ids[n:]], [feats[n:]]
+    def take(self, n: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """Remove the first n rows; (position, ids, taps, last) of them, views."""
+        pos, out = self.base, (self.ids[:n], self.taps[:n], self.last[:n])
+        if self.length > n:
+            self._move(n, max(self.capacity, self.length - n))
+        else:
+            self.ids = self.taps = self.last = None
         self.base += n
         self.length -= n
-        return pos, ids[:n], feats[:n]
+        return pos, *out
+
+    def take_all(self, size: int) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        """Every buffered row, in pieces of at most `size` rows (views)."""
+        n = self.length
+        pieces = [
+            (self.base + i, self.ids[i : min(i + size, n)], self.taps[i : min(i + size, n)],
+             self.last[i : min(i + size, n)])
+            for i in range(0, n, size)
+        ]  # fmt: skip
+        self.base += self.length
+        self.length = 0
+        self.ids = self.taps = self.last = None
+        return pieces
 
 
 @dataclass
@@ -294,7 +331,9 @@ class Assembler:
     def _buffer(self, state: ReqState) -> TapBuffer:
         buf = self.buffers.get(id(state))
         if buf is None:
-            buf = self.buffers[id(state)] = TapBuffer(state)
+            p = len(state.prompt_ids)  # room for the prompt and the first outputs
+            cap = min(p + min(state.stop.limit, 256), self.max_tokens + 256)
+            buf = self.buffers[id(state)] = TapBuffer(state, capacity=max(cap, 16))
         return buf
 
     def _apply(self, op: Any) -> None:
@@ -308,25 +347,21 @@ class Assembler:
             self.buffers.clear()
 
     def _rows(self, op: _Rows) -> None:
-        op.rows.to_host()
+        rows = op.rows
+        rows.to_host()  # on a GPU, pinned buffers reused by the next step: copied out below
         offsets = np.fromiter((off for _, off, _ in op.items), np.int64, len(op.items))
         counts = np.fromiter((n for _, _, n in op.items), np.int64, len(op.items))
-        starts = np.cumsum(counts) - counts  # where each request's rows begin in the result
-        index = np.arange(int(counts.sum())) + np.repeat(offsets - starts, counts)
-        positions = op.rows.positions.numpy()[index]
-        first, last_pos = positions[starts], positions[starts + counts - 1]
+        positions = rows.positions.numpy()
+        first, last_pos = positions[offsets], positions[offsets + counts - 1]
         consecutive = (last_pos - first == counts - 1).tolist()
-        ids = op.rows.ids.numpy()[index]  # one copy of the step's final rows
-        feats = _bits(op.rows.feats)[index]
-        for (state, _, n), a, p, ok in zip(
-            op.items, starts.tolist(), first.tolist(), consecutive, strict=True
-        ):
+        ids, feats = rows.ids.numpy(), _bits(rows.feats)
+        for (state, a, n), p, ok in zip(op.items, first.tolist(), consecutive, strict=True):
             buf = self._buffer(state)
             if not ok:
                 log.error("codraft capture: %s's rows are not consecutive positions", state.req_id)
                 buf.broken = "non-consecutive positions in one step"
                 continue
-            buf.put(p, ids[a : a + n], feats[a : a + n])
+            buf.put(p, ids[a : a + n], feats[a : a + n])  # the one copy of these rows
             if not state.done and buf.length >= self.max_tokens:
                 self._send_chunks(buf)
 
@@ -334,8 +369,8 @@ class Assembler:
         if buf.broken:
             return
         while buf.length >= self.max_tokens:
-            pos, ids, feats = buf.take(self.max_tokens)
-            self._emit(buf.state, pos, ids, feats, buf.chunks_sent)
+            pos, ids, taps, last = buf.take(self.max_tokens)
+            self._emit(buf.state, pos, ids, (taps, last), buf.chunks_sent)
             buf.chunks_sent += 1
 
     def _finish(self, op: _Finish) -> None:
@@ -352,13 +387,11 @@ class Assembler:
             return
         final_len = len(state.prompt_ids) + len(state.outputs)
         buf.truncate(max(final_len - 1 - buf.base, 0))
-        pieces = []
-        while buf.length > 0:
-            pieces.append(buf.take(min(self.max_tokens, buf.length)))
+        pieces = buf.take_all(self.max_tokens)
         chunked = buf.chunks_sent > 0 or len(pieces) > 1
-        for pos, ids, feats in pieces:
+        for pos, ids, taps, last in pieces:
             chunk = buf.chunks_sent if chunked else None
-            self._emit(state, pos, ids, feats, chunk)
+            self._emit(state, pos, ids, (taps, last), chunk)
             buf.chunks_sent += 1
         self.stats.requests_captured += 1
 
@@ -375,7 +408,7 @@ class Assembler:
         state: ReqState,
         pos: int,
         ids: np.ndarray,
-        feats: np.ndarray | None,
+        feats: tuple[np.ndarray, np.ndarray] | None,  # (taps [n, T * H], last [n, H]) bits
         chunk: int | None,
         policy_version: int | None = None,
     ) -> None:
@@ -390,10 +423,8 @@ class Assembler:
             )
             return
         taps = last = None
-        if feats is not None:
-            x = torch.from_numpy(np.ascontiguousarray(feats)).view(self.target.dtype)
-            T = len(self.target.tap_layers)
-            taps, last = x[:, :T].reshape(n, -1), x[:, T].contiguous()
+        if feats is not None:  # views of the request's buffer: the frames are sent from them
+            taps, last = (torch.from_numpy(f).view(self.target.dtype) for f in feats)
         prompt_len = min(max(len(state.prompt_ids) - pos, 0), n)
         t = self.target
         msg = TapMessage.build(

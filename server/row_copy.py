@@ -7,7 +7,9 @@ engine's own stream, into fresh device tensors (one `stack` of the tap layers an
 hidden state, cast to the wire dtype, plus the ids and positions), and an event is recorded
 after the gather. That is all the engine step does: no host memory, no copy to the host, no
 wait. The capture thread (codraft.server.capture) calls `StagedRows.to_host()`, which copies on a
-side stream of its own that waits for the event; only that thread waits.
+side stream of its own that waits for the event, into pinned host buffers that the capture
+thread reuses step after step (`HostStage`: a DMA, no staging through pageable memory, no
+allocation of pinned memory per step); only that thread waits.
 
 Device memory held by gathered rows that the capture thread has not taken yet is bounded
 (`RowCopier.max_bytes`): past it a step's rows are not gathered, and the step is counted
@@ -36,21 +38,51 @@ class StagedRows:
     positions: torch.Tensor
     feats: torch.Tensor
     ready: Any = None  # a CUDA event recorded after the gather, or None (on the host already)
-    stream: Any = None  # the side stream the host copy runs on
+    stage: HostStage | None = None  # where to_host copies to
     _release: Any = field(default=None, repr=False)
 
     def to_host(self) -> None:
-        """Copy the rows to host memory (blocks the calling thread, never the engine's)."""
+        """Copy the rows to host memory (blocks the calling thread, never the engine's). On a
+        GPU the host tensors are the stage's pinned buffers: valid until the stage's next
+        copy, so copy out what is kept before the next `to_host` of the same stage."""
         if self.ready is None:
             return
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(self.ready)
-            self.ids, self.positions, self.feats = (
-                t.to("cpu") for t in (self.ids, self.positions, self.feats)
-            )
+        self.ids, self.positions, self.feats = self.stage.copy(
+            self.ready, (self.ids, self.positions, self.feats)
+        )
         self.ready = None
         if self._release is not None:
             self._release()
+
+
+class HostStage:
+    """Pinned host buffers, one per tensor of a step, reused by every copy of one thread; they
+    grow (to the next power of two) when a step needs more. The copy runs on a side stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+        self._bufs: list[torch.Tensor] = []
+
+    def _view(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        nbytes = like.numel() * like.element_size()
+        if i == len(self._bufs):
+            self._bufs.append(torch.empty(0, dtype=torch.uint8))
+        if self._bufs[i].numel() < nbytes:
+            size = 1 << max(nbytes - 1, 1).bit_length()
+            self._bufs[i] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        return self._bufs[i][:nbytes].view(like.dtype).view(like.shape)
+
+    def copy(self, ready: Any, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The tensors' values in pinned host memory, once `ready` (an event) has passed."""
+        out = tuple(self._view(i, t) for i, t in enumerate(tensors))
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            for dst, src in zip(out, tensors, strict=True):
+                dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event(blocking=True)  # this thread sleeps, never spins
+            done.record(self.stream)
+        done.synchronize()
+        return out
 
 
 def row_index(ranges: list[tuple[int, int]]) -> np.ndarray:
@@ -65,7 +97,7 @@ class RowCopier:
         self.device = torch.device(device)
         self.wire_dtype = wire_dtype
         self.cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.stage = HostStage(self.device) if self.cuda else None  # the capture thread's
         self.max_bytes = max_bytes
         self.held_bytes = 0  # gathered on the device, not yet on the host
         self.steps_skipped = 0
@@ -109,7 +141,7 @@ class RowCopier:
             return StagedRows(ids, pos, feats)
         ready = torch.cuda.Event(blocking=True)  # the waiting thread sleeps, never spins
         ready.record(torch.cuda.current_stream(self.device))
-        staged = StagedRows(ids, pos, feats, ready, self.stream)
+        staged = StagedRows(ids, pos, feats, ready, self.stage)
         # the bound is given back once the rows are on the host, or when they are dropped
         staged._release = weakref.finalize(staged, self._give_back, nbytes)
         return staged

@@ -16,9 +16,12 @@ an input:
   scheduling, the model runner vLLM picks: V2 for this dense Llama on 0.26), batches
   1/8/32/64, 128 greedy tokens: no speculation; then at each `--acceptance` (default 3.2, what
   the online co-trained SmolLM2 draft reached on the co-training stream) plain vLLM with the
-  EAGLE-3 draft, and the same draft in `codraft serve`'s engine with the tap off and with the
-  tap on (full features into a receiver process: bytes and MB/s per batch, drops, the host
-  time per step in codraft's hooks, from codraft_stats). `--codraft-arms none` leaves them out.
+  EAGLE-3 draft, and the same draft in `codraft serve`'s engine with the tap off, with the tap
+  on (full features into a receiver process: bytes and MB/s per batch, drops, the host time
+  per step in codraft's hooks, from codraft_stats), and with the tap on in "ids" mode (the same
+  bookkeeping and messages, token ids only: no features gathered, copied or sent, which
+  separates what the features cost from what the rest of the tap costs). `--codraft-arms none`
+  leaves them out.
 
 Outputs are random tokens (random weights); only time is measured. Writes
 `<out>/scale.json` and `<out>/scale.png`.
@@ -199,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", default=None, help="a folder with tokenizer.json (SmolLM2's)")
     p.add_argument("--acceptance", default="3.2", help="mean acceptance lengths to set")
     p.add_argument(
-        "--codraft-arms", default="off,on", help="codraft serve's engine: tap off, on (or none)"
+        "--codraft-arms", default="off,on,ids",
+        help="codraft serve's engine: tap off, on (full features), ids (token ids only)",
     )
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--batches", default="1,8,32,64")
@@ -248,13 +252,14 @@ def main(argv: list[str] | None = None) -> int:
         load_format="dummy",
     )
     arms = [ArmSpec("base", **common)]
-    taps = [t for t in args.codraft_arms.split(",") if t in ("off", "on")]
+    taps = [t for t in args.codraft_arms.split(",") if t in ("off", "on", "ids")]
     for a in acceptance:
         spec = dict(draft=str(draft), synthetic_acceptance=a, **common)
         arms.append(ArmSpec(f"eagle3 AL {a:g}", **spec))
         for tap in taps:
             name = f"codraft tap {tap} AL {a:g}"
-            arms.append(ArmSpec(name, codraft=True, tap=tap == "on", **spec))
+            mode = "ids" if tap == "ids" else "full"
+            arms.append(ArmSpec(name, codraft=True, tap=tap != "off", tap_mode=mode, **spec))
     import torch
 
     report: dict = {

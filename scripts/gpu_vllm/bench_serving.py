@@ -84,7 +84,9 @@ class ArmSpec:
     prompts: list[str] = field(default_factory=lambda: list(PROMPTS))
     chat: bool = False  # apply the target's chat template to each prompt
     codraft: bool = False  # codraft serve's engine (worker extension, its settings)
-    tap: bool = False  # codraft: the tap on (full features) into a receiver process
+    tap: bool = False  # codraft: the tap on into a receiver process
+    tap_mode: str = "full"  # codraft, tap on: "full" (features) or "ids" (token ids only)
+    in_process: bool = False  # the engine core in this process: every batch scheduled whole
     cuda_graphs: bool = True  # vLLM's default torch.compile + CUDA graphs (else eager)
     load_format: str = "auto"  # "dummy": random weights, no files (bench_scale.py)
     synthetic_acceptance: float | None = None  # vLLM's synthetic rejection sampling, this length
@@ -234,7 +236,7 @@ def engine_kwargs_for(spec: ArmSpec, tap_endpoint: str | None) -> dict[str, Any]
 
         cfg = ServeConfig(
             draft=spec.draft, num_speculative_tokens=spec.k, tap_endpoint=tap_endpoint,
-            dtype=spec.dtype, max_model_len=spec.max_model_len,
+            tap_mode=spec.tap_mode, dtype=spec.dtype, max_model_len=spec.max_model_len,
         )  # fmt: skip
         kwargs.update(offline_engine_kwargs(cfg, Path(spec.target), Path(str(spec.draft))))
         kwargs.update(dtype=spec.dtype, max_model_len=spec.max_model_len)
@@ -329,6 +331,8 @@ def run_arm_subprocess(spec: ArmSpec, work: Path, timeout: float) -> dict[str, A
     # process of it (the engine core included) writes all its threads' stacks into the log:
     # where a stuck start-up or step waits is then on record.
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    if spec.in_process:  # LLM.generate queues every request before the first step
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     with open(log, "w") as f:
         proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", str(spec_path), str(out_path)],
@@ -482,6 +486,12 @@ def main(argv: list[str] | None = None) -> int:
         help="vLLM's default (on with CUDA) or forced",
     )  # fmt: skip
     p.add_argument("--arm-timeout", type=float, default=300.0, help="seconds per arm")
+    p.add_argument(
+        "--in-process", action="store_true",
+        help="run each engine core in its arm's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so "
+        "that a batch's requests are all queued before its first step: the schedule, and so "
+        "the bf16 numerics, no longer depend on when requests reach the engine core",
+    )  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="imports, plan, receiver; no engine")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -511,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts=prompts,
         chat=chat,
         cuda_graphs=not args.eager,
+        in_process=args.in_process,
     )
     out = Path(args.out).resolve()
     if args.smoke:

@@ -11,11 +11,12 @@ when an earlier one failed (the failure, its exit status and its log's tail are 
   checks    engine_checks.py on tiny models: sampling exactness (chi-square per position), a
             swap changes what is proposed, policy reload, capture against a fresh prefill
   identity  SmolLM2 bf16, batches 1/8/32/64, 64 tokens: no speculation, plain vLLM EAGLE-3 and
-            codraft's engine with the same untrained draft, tap on (bench_serving.py)
+            codraft's engine with the same untrained draft, tap on (bench_serving.py; engine
+            cores in-process, so that every arm runs the same schedule)
   cotrain   `codraft serve` + `codraft learn --server` under load for --cotrain-minutes
             (cotrain.py); the newest published draft -> <work>/cotrain/draft-final
   scale     bench_scale.py: Llama-8B geometry, set acceptance: no speculation, plain EAGLE-3,
-            codraft tap off, codraft tap on
+            codraft tap off, codraft tap on (full features), codraft tap on (ids only)
   bench     bench_serving.py: no speculation / the co-trained draft in plain vLLM and in
             codraft's engine, batches 1/8/32/64, bfloat16
 
@@ -358,6 +359,7 @@ class Run:
     def do_identity(self, left: float) -> tuple[str, dict]:
         extra = ["--arms", "base,eagle3,codraft", "--dtype", self.args.identity_dtype]
         extra += ["--batches", "1,8,32,64", "--max-tokens", "64", "--swaps", "1"]
+        extra += ["--in-process"]  # the same schedule in every arm (see bench_serving.py)
         extra += shlex.split(self.args.identity_args)
         return self._bench("identity", extra, left)
 
