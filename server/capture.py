@@ -207,9 +207,7 @@ class TapBuffer:
         are: messages may still be reading them)."""
         keep = self.length - start
         old = (self.ids, self.taps, self.last)
-        self.ids, self.taps, self.last = (
-            np.empty((cap, *a.shape[1:]), a.dtype) for a in old
-        )
+        self.ids, self.taps, self.last = (np.empty((cap, *a.shape[1:]), a.dtype) for a in old)
         for new, a in zip((self.ids, self.taps, self.last), old, strict=True):
             new[:keep] = a[start : self.length]
 

@@ -807,12 +807,8 @@ def test_tap_buffer_keeps_rows_by_position() -> None:
     assert (buf.base, buf.length) == (4, 6)
     pieces = buf.take_all(4)
     assert [(p, i.tolist()) for p, i, _, _ in pieces] == [(4, [4, 5, 6, 7]), (8, [8, 9])]
-    assert np.concatenate([t[:, 2] for _, _, t, _ in pieces]).tolist() == [
-        41, 51, 61, 71, 81, 91
-    ]
-    assert np.concatenate([la[:, 0] for *_, la in pieces]).tolist() == [
-        42, 52, 62, 72, 82, 92
-    ]
+    assert np.concatenate([t[:, 2] for _, _, t, _ in pieces]).tolist() == [41, 51, 61, 71, 81, 91]
+    assert np.concatenate([la[:, 0] for *_, la in pieces]).tolist() == [42, 52, 62, 72, 82, 92]
     buf.put(12, *rows(12, 13))  # a gap: rows 10, 11 were never computed
     assert buf.broken is not None
 

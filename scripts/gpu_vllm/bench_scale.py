@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", default=None, help="a folder with tokenizer.json (SmolLM2's)")
     p.add_argument("--acceptance", default="3.2", help="mean acceptance lengths to set")
     p.add_argument(
-        "--codraft-arms", default="off,on,ids",
+        "--codraft-arms",
+        default="off,on,ids",
         help="codraft serve's engine: tap off, on (full features), ids (token ids only)",
     )
     p.add_argument("--k", type=int, default=3)
