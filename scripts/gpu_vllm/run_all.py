@@ -384,7 +384,8 @@ class Run:
         cmd = [self.py, str(HERE / "bench_scale.py"), "--out", str(where)]
         if tokenizer.is_dir():
             cmd += ["--tokenizer", str(tokenizer)]
-        cmd += ["--arm-timeout", str(max(60.0, min(240.0, left / 4)))]
+        # a cold machine's first compile of an 8B arm takes 60-90 s: never less than 150 s an arm
+        cmd += ["--arm-timeout", str(max(150.0, min(240.0, left / 4)))]
         cmd += shlex.split(self.args.scale_args)
         rc = self.sh("scale", cmd, max(left - 10, 30))
         res: dict = {"rc": rc}
