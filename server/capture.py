@@ -153,26 +153,31 @@ class TapTarget:
 
 
 # ---------------------------------------------------------------------------- assembly
+# A request's rows are views of the steps' arrays until this many have gathered; then they are
+# joined into one array of the request's own, so that no step's array is kept alive for long.
+MAX_PIECES = 32
+
+
 @dataclass
 class TapBuffer:
     """Captured rows of one request: positions base .. base+length-1 (rows before `base` went
-    out in earlier chunks), in arrays of its own: `ids` [cap], `taps` [cap, T * H] and `last`
-    [cap, H], features as the wire dtype's bits in a same-width integer type (numpy has no
-    bf16). A step's rows are copied in once (`put`); a message's frames are views of these
-    arrays (`take`), never copied again. Lives in the assembler thread."""
+    out in earlier chunks), as pieces: views of the arrays each step's final rows were copied
+    into (`ids` [n], `taps` [n, T * H], `last` [n, H]; features as the wire dtype's bits in a
+    same-width integer type, numpy having no bf16). Views cost no copy and no release of the
+    interpreter lock, which the engine thread wants back at once; the pieces are joined every
+    MAX_PIECES steps and when a message is cut. Lives in the assembler thread."""
 
     state: ReqState
-    capacity: int = 256  # rows of the first allocation; it doubles when more come
     base: int = 0
     length: int = 0
-    ids: np.ndarray | None = None
-    taps: np.ndarray | None = None
-    last: np.ndarray | None = None
+    ids: list[np.ndarray] = field(default_factory=list)
+    taps: list[np.ndarray] = field(default_factory=list)
+    last: list[np.ndarray] = field(default_factory=list)
     chunks_sent: int = 0
     broken: str | None = None  # why it cannot be sent
 
-    def put(self, position: int, ids: np.ndarray, feats: np.ndarray) -> None:
-        """Rows for positions position .. position+len(ids)-1; `feats` [n, T + 1, H]."""
+    def put(self, position: int, ids: np.ndarray, taps: np.ndarray, last: np.ndarray) -> None:
+        """Rows for positions position .. position+len(ids)-1."""
         n = ids.shape[0]
         end = self.base + self.length
         if position > end:
@@ -184,60 +189,40 @@ class TapBuffer:
         skip = max(self.base - position, 0)  # rows already sent in a chunk
         if skip >= n:
             return
-        row, m = position + skip - self.base, n - skip  # recomputed rows (preemption) replace
-        self._reserve(row + m, feats)  # the old ones and whatever followed them
-        T = feats.shape[1] - 1
-        self.ids[row : row + m] = ids[skip:]
-        self.taps[row : row + m].reshape(m, T, -1)[...] = feats[skip:, :T]
-        self.last[row : row + m] = feats[skip:, T]
-        self.length = row + m
+        if position + skip < end:  # recomputed rows (preemption): keep the new ones
+            self.truncate(position + skip - self.base)
+        self.ids.append(ids[skip:])
+        self.taps.append(taps[skip:])
+        self.last.append(last[skip:])
+        self.length += n - skip
+        if len(self.ids) > MAX_PIECES:
+            self._join()
 
-    def _reserve(self, rows: int, feats: np.ndarray) -> None:
-        if self.ids is None:
-            T1, H = feats.shape[1:]
-            cap = max(self.capacity, rows)
-            self.ids = np.empty(cap, np.int32)
-            self.taps = np.empty((cap, (T1 - 1) * H), feats.dtype)
-            self.last = np.empty((cap, H), feats.dtype)
-        elif rows > self.ids.shape[0]:
-            self._move(0, max(rows, 2 * self.ids.shape[0]))
-
-    def _move(self, start: int, cap: int) -> None:
-        """Rows start .. length-1 into fresh arrays of `cap` rows (the old ones stay as they
-        are: messages may still be reading them)."""
-        keep = self.length - start
-        old = (self.ids, self.taps, self.last)
-        self.ids, self.taps, self.last = (np.empty((cap, *a.shape[1:]), a.dtype) for a in old)
-        for new, a in zip((self.ids, self.taps, self.last), old, strict=True):
-            new[:keep] = a[start : self.length]
+    def _join(self) -> None:
+        if len(self.ids) > 1:
+            self.ids, self.taps, self.last = (
+                [np.concatenate(x)] for x in (self.ids, self.taps, self.last)
+            )
 
     def truncate(self, n: int) -> None:
         """Keep the first n buffered rows."""
-        self.length = min(self.length, n)
+        if n >= self.length:
+            return
+        self._join()
+        self.ids, self.taps, self.last = (
+            [x[0][:n]] if n else [] for x in (self.ids, self.taps, self.last)
+        )
+        self.length = n
 
     def take(self, n: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
-        """Remove the first n rows; (position, ids, taps, last) of them, views."""
-        pos, out = self.base, (self.ids[:n], self.taps[:n], self.last[:n])
-        if self.length > n:
-            self._move(n, max(self.capacity, self.length - n))
-        else:
-            self.ids = self.taps = self.last = None
+        """Remove the first n rows; (position, ids, taps, last) of them."""
+        self._join()
+        (ids,), (taps,), (last,) = self.ids, self.taps, self.last
+        pos = self.base
+        self.ids, self.taps, self.last = [ids[n:]], [taps[n:]], [last[n:]]
         self.base += n
         self.length -= n
-        return pos, *out
-
-    def take_all(self, size: int) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-        """Every buffered row, in pieces of at most `size` rows (views)."""
-        n = self.length
-        pieces = [
-            (self.base + i, self.ids[i : min(i + size, n)], self.taps[i : min(i + size, n)],
-             self.last[i : min(i + size, n)])
-            for i in range(0, n, size)
-        ]  # fmt: skip
-        self.base += self.length
-        self.length = 0
-        self.ids = self.taps = self.last = None
-        return pieces
+        return pos, ids[:n], taps[:n], last[:n]
 
 
 @dataclass
@@ -329,9 +314,7 @@ class Assembler:
     def _buffer(self, state: ReqState) -> TapBuffer:
         buf = self.buffers.get(id(state))
         if buf is None:
-            p = len(state.prompt_ids)  # room for the prompt and the first outputs
-            cap = min(p + min(state.stop.limit, 256), self.max_tokens + 256)
-            buf = self.buffers[id(state)] = TapBuffer(state, capacity=max(cap, 16))
+            buf = self.buffers[id(state)] = TapBuffer(state)
         return buf
 
     def _apply(self, op: Any) -> None:
@@ -346,20 +329,25 @@ class Assembler:
 
     def _rows(self, op: _Rows) -> None:
         rows = op.rows
-        rows.to_host()  # on a GPU, pinned buffers reused by the next step: copied out below
+        rows.to_host()  # on a GPU, pinned buffers that the next step reuses: copied out here
         offsets = np.fromiter((off for _, off, _ in op.items), np.int64, len(op.items))
         counts = np.fromiter((n for _, _, n in op.items), np.int64, len(op.items))
-        positions = rows.positions.numpy()
-        first, last_pos = positions[offsets], positions[offsets + counts - 1]
+        starts = np.cumsum(counts) - counts  # where each request's rows begin in the result
+        index = np.arange(int(counts.sum())) + np.repeat(offsets - starts, counts)
+        positions = rows.positions.numpy()[index]
+        first, last_pos = positions[starts], positions[starts + counts - 1]
         consecutive = (last_pos - first == counts - 1).tolist()
-        ids, feats = rows.ids.numpy(), _bits(rows.feats)
-        for (state, a, n), p, ok in zip(op.items, first.tolist(), consecutive, strict=True):
+        # the step's final rows, one copy each; every request keeps views of them
+        ids, taps, last = rows.ids.numpy()[index], _bits(rows.taps)[index], _bits(rows.last)[index]
+        for (state, _, n), a, p, ok in zip(
+            op.items, starts.tolist(), first.tolist(), consecutive, strict=True
+        ):
             buf = self._buffer(state)
             if not ok:
                 log.error("codraft capture: %s's rows are not consecutive positions", state.req_id)
                 buf.broken = "non-consecutive positions in one step"
                 continue
-            buf.put(p, ids[a : a + n], feats[a : a + n])  # the one copy of these rows
+            buf.put(p, ids[a : a + n], taps[a : a + n], last[a : a + n])
             if not state.done and buf.length >= self.max_tokens:
                 self._send_chunks(buf)
 
@@ -385,7 +373,9 @@ class Assembler:
             return
         final_len = len(state.prompt_ids) + len(state.outputs)
         buf.truncate(max(final_len - 1 - buf.base, 0))
-        pieces = buf.take_all(self.max_tokens)
+        pieces = []
+        while buf.length > 0:
+            pieces.append(buf.take(min(self.max_tokens, buf.length)))
         chunked = buf.chunks_sent > 0 or len(pieces) > 1
         for pos, ids, taps, last in pieces:
             chunk = buf.chunks_sent if chunked else None

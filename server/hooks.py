@@ -338,7 +338,7 @@ class RunnerHooks:
                 record.row_offsets[i] = offset
                 ranges.append((s.start, s.start + s.num_tokens))
                 offset += s.num_tokens
-            record.rows = self.copier.copy(input_ids, positions, [*taps, hidden], _merge(ranges))
+            record.rows = self.copier.copy(input_ids, positions, taps, hidden, _merge(ranges))
             if record.rows is None:
                 record.row_offsets.clear()
         return record

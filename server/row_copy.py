@@ -3,8 +3,8 @@
 The target's forward leaves its outputs in buffers that the next step overwrites: under CUDA
 graphs they are the graphs' static output buffers, and `input_ids`/`positions` are views of the
 runner's persistent input buffers. So the rows codraft keeps are gathered at once, on the
-engine's own stream, into fresh device tensors (one `stack` of the tap layers and the final
-hidden state, cast to the wire dtype, plus the ids and positions), and an event is recorded
+engine's own stream, into fresh device tensors (the tap layers side by side, the final hidden
+state, both in the wire dtype, the ids and the positions), and an event is recorded
 after the gather. That is all the engine step does: no host memory, no copy to the host, no
 wait. The capture thread (codraft.server.capture) calls `StagedRows.to_host()`, which copies on a
 side stream of its own that waits for the event, into pinned host buffers that the capture
@@ -30,13 +30,14 @@ import torch
 
 @dataclass
 class StagedRows:
-    """One step's gathered rows: `ids` [M] int32, `positions` [M] int64, `feats` [M, T + 1, H]
-    in the wire dtype (T tap layers, then the final hidden state). On the device until
-    `to_host()` (capture thread) has run."""
+    """One step's gathered rows: `ids` [M] int32, `positions` [M] int64, `taps` [M, T * H] (the
+    T tap layers side by side, as a message carries them) and `last` [M, H] (the final hidden
+    state), both in the wire dtype. On the device until `to_host()` (capture thread) has run."""
 
     ids: torch.Tensor
     positions: torch.Tensor
-    feats: torch.Tensor
+    taps: torch.Tensor
+    last: torch.Tensor
     ready: Any = None  # a CUDA event recorded after the gather, or None (on the host already)
     stage: HostStage | None = None  # where to_host copies to
     _release: Any = field(default=None, repr=False)
@@ -47,8 +48,8 @@ class StagedRows:
         copy, so copy out what is kept before the next `to_host` of the same stage."""
         if self.ready is None:
             return
-        self.ids, self.positions, self.feats = self.stage.copy(
-            self.ready, (self.ids, self.positions, self.feats)
+        self.ids, self.positions, self.taps, self.last = self.stage.copy(
+            self.ready, (self.ids, self.positions, self.taps, self.last)
         )
         self.ready = None
         if self._release is not None:
@@ -107,14 +108,15 @@ class RowCopier:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        layers: list[torch.Tensor],
+        taps: list[torch.Tensor],
+        hidden: torch.Tensor,
         ranges: list[tuple[int, int]],
     ) -> StagedRows | None:
-        """Rows `ranges` ([start, end) into the flat batch) of the ids, the positions and each
-        of `layers` ([N, H] each), stacked as [M, len(layers), H]; None when the rows would
-        exceed the device memory bound."""
+        """Rows `ranges` ([start, end) into the flat batch) of the ids, the positions, the tap
+        layers (each [N, H]; side by side: [M, T * H]) and the final hidden state ([N, H]); None
+        when the rows would exceed the device memory bound."""
         rows = sum(e - s for s, e in ranges)
-        width = sum(t.shape[-1] for t in layers)
+        width = sum(t.shape[-1] for t in taps) + hidden.shape[-1]
         nbytes = rows * (width * self.wire_dtype.itemsize + 12)
         if self.cuda:
             with self._lock:
@@ -124,24 +126,25 @@ class RowCopier:
                 self.held_bytes += nbytes
         if len(ranges) == 1:
             s, e = ranges[0]
-            ids, pos = input_ids[s:e], positions[s:e]
-            views = [t[s:e] for t in layers]
+            ids, pos, last = input_ids[s:e], positions[s:e], hidden[s:e]
+            views = [t[s:e] for t in taps]
         else:
             index = torch.from_numpy(row_index(ranges))
             if self.cuda:
                 index = index.pin_memory().to(self.device, non_blocking=True)
             ids, pos = input_ids.index_select(0, index), positions.index_select(0, index)
-            views = [t.index_select(0, index) for t in layers]
-        feats = torch.stack(views, dim=1)
-        if feats.dtype != self.wire_dtype:
-            feats = feats.to(self.wire_dtype)
+            views = [t.index_select(0, index) for t in taps]
+            last = hidden.index_select(0, index)
+        side = torch.cat(views, dim=-1)
+        side = side if side.dtype == self.wire_dtype else side.to(self.wire_dtype)
+        last = last.to(self.wire_dtype, copy=True)
         ids = ids.to(torch.int32, copy=True)
         pos = pos.to(torch.int64, copy=True)
         if not self.cuda:
-            return StagedRows(ids, pos, feats)
+            return StagedRows(ids, pos, side, last)
         ready = torch.cuda.Event(blocking=True)  # the waiting thread sleeps, never spins
         ready.record(torch.cuda.current_stream(self.device))
-        staged = StagedRows(ids, pos, feats, ready, self.stage)
+        staged = StagedRows(ids, pos, side, last, ready, self.stage)
         # the bound is given back once the rows are on the host, or when they are dropped
         staged._release = weakref.finalize(staged, self._give_back, nbytes)
         return staged

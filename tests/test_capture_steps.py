@@ -50,10 +50,12 @@ class Harness:
                 ids.append(t)
                 pos.append(p0 + j)
                 feats.append([[p0 + j + 0.1 * k] * H for k in range(len(TAPS) + 1)])
+        feats = torch.tensor(feats, dtype=torch.float32).reshape(len(ids), len(TAPS) + 1, H)
         staged = StagedRows(
             torch.tensor(ids, dtype=torch.int32),
             torch.tensor(pos, dtype=torch.int64),
-            torch.tensor(feats, dtype=torch.float32),
+            feats[:, :-1].reshape(len(ids), len(TAPS) * H),
+            feats[:, -1].contiguous(),
         )
         ctx = StepContext(list(new), frozenset(finished), policy_version=0, proposer_version=7)
         rec = StepRecord(self.seq, slices, ctx, staged if rows else None, offsets if rows else {})
