@@ -43,6 +43,7 @@ class TrainConfig:
     max_grad_norm: float = 0.5
     num_passes: int = 3  # TTT passes K
     pass_weights: tuple[float, ...] | None = None
+    loss_chunk_tokens: int = TTTConfig.loss_chunk_tokens
     token_budget: int = 4096
     draft_vocab_size: int = 8192
     tap_layers: tuple[int, ...] | None = None  # default: the target's (2, L//2, L-3)
@@ -53,7 +54,7 @@ class TrainConfig:
     recompute: bool = False  # run the target here (ids-only data) instead of streamed features
 
     def ttt(self) -> TTTConfig:
-        return TTTConfig(self.num_passes, self.pass_weights)
+        return TTTConfig(self.num_passes, self.pass_weights, self.loss_chunk_tokens)
 
 
 @dataclass

@@ -14,7 +14,9 @@ Conventions (docs/architecture.md, Training), with passes numbered d = 1..K:
 
 The loss of pass d is the soft cross-entropy summed over its valid anchors and divided by the
 *global* count of valid anchors of that pass (``reduce_counts`` all-reduces it across data/context
-parallel ranks); the total is the weighted sum over passes.
+parallel ranks); the total is the weighted sum over passes. Logits and loss are computed
+``loss_chunk_tokens`` anchors at a time and never kept for backward
+(codraft.learner.chunked_loss).
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from codraft.draft.model import Eagle3Draft
+from codraft.learner.chunked_loss import cross_entropy
 
 # attn(q_d [T, Hq, D], ks [k_1..k_d] each [T, Hkv, D], vs, cu_seqlens) -> out_d [T, Hq, D]
 PassAttention = Callable[[Tensor, Sequence[Tensor], Sequence[Tensor], Tensor], Tensor]
@@ -40,10 +42,13 @@ MAX_PASSES = 8
 class TTTConfig:
     num_passes: int = 3
     pass_weights: tuple[float, ...] | None = None  # default 0.8 ** (d - 1)
+    loss_chunk_tokens: int = 4096  # anchors whose draft logits exist at once
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_passes <= MAX_PASSES:
             raise ValueError(f"num_passes must be in 1..{MAX_PASSES}, got {self.num_passes}")
+        if self.loss_chunk_tokens < 1:
+            raise ValueError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens}")
         if self.pass_weights is not None and len(self.pass_weights) != self.num_passes:
             raise ValueError(
                 f"pass_weights has {len(self.pass_weights)} entries, expected one per pass "
@@ -173,19 +178,16 @@ def ttt_forward(
     acc = torch.promote_types(taps.dtype, torch.float32)  # loss in fp32 (fp64 for fp64 checks)
     total = taps.new_zeros((), dtype=acc)
     out = TTTOutput(total, [], [], [], [])
-    passes = draft_passes(
+    passes = draft_states(
         draft, input_ids, positions, cu_seqlens, taps, attn, config.num_passes, roll=roll
     )
-    for d, logits in passes:
+    for d, h in passes:
         rows = torch.nonzero(valid[d - 1]).squeeze(1)
         tgt = roll.gather_ahead(targets, d, rows)
-        logp = F.log_softmax(logits[rows].to(acc), dim=-1)
-        if hard:
-            ce = F.nll_loss(logp, tgt, reduction="sum")
-            correct = (logp.argmax(-1) == tgt).sum()
-        else:
-            ce = -(tgt.to(acc) * logp).sum()
-            correct = (logp.argmax(-1) == tgt.argmax(-1)).sum()
+        ce, correct = cross_entropy(
+            draft.norm(h[rows]), draft.lm_head.weight, tgt,
+            hard=hard, chunk=config.loss_chunk_tokens, acc=acc,
+        )  # fmt: skip
         denom = global_valid[d - 1].clamp(min=1).to(ce.dtype)
         pass_loss = ce / denom
         total = total + config.weights[d - 1] * pass_loss
@@ -208,9 +210,28 @@ def draft_passes(
     *,
     roll: Roll | None = None,
 ) -> Iterator[tuple[int, Tensor]]:
-    """Yield (d, draft-vocab logits [N, Vd]) for passes d = 1..num_passes (teacher-forced: pass d
-    at anchor i reads the true token x[i+d], which is the draft's own proposal whenever passes
-    1..d-1 were right: the only case in which pass d matters for chain drafting)."""
+    """Yield (d, draft-vocab logits [N, Vd]) for passes d = 1..num_passes (see draft_states)."""
+    for d, h in draft_states(
+        draft, input_ids, positions, cu_seqlens, taps, attn, num_passes, roll=roll
+    ):
+        yield d, draft.logits(h)
+
+
+def draft_states(
+    draft: Eagle3Draft,
+    input_ids: Tensor,
+    positions: Tensor,
+    cu_seqlens: Tensor,
+    taps: Tensor,
+    attn: PassAttention,
+    num_passes: int,
+    *,
+    roll: Roll | None = None,
+) -> Iterator[tuple[int, Tensor]]:
+    """Yield (d, pass d's output before the final norm [N, H]) for passes d = 1..num_passes
+    (teacher-forced: pass d at anchor i reads the true token x[i+d], which is the draft's own
+    proposal whenever passes 1..d-1 were right: the only case in which pass d matters for chain
+    drafting)."""
     roll = roll or LocalRoll(cu_seqlens, input_ids.shape[0])
     h = draft.fuse(taps)
     ks: list[Tensor] = []
@@ -221,4 +242,4 @@ def draft_passes(
         ks.append(k)
         vs.append(v)
         h = draft.finish(attn(q, ks, vs, cu_seqlens), residual)
-        yield d, draft.logits(h)
+        yield d, h

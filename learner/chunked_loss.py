@@ -1,0 +1,91 @@
+"""The draft's logits and cross-entropy, a chunk of tokens at a time.
+
+A TTT pass's loss needs the draft-vocab logits of every valid anchor, [R, Vd], and autograd
+would keep them (with their fp32 log-softmax) for backward, K times a step: at 16K tokens and a
+32K draft vocab that is most of the step's memory. `cross_entropy` computes lm_head, the
+log-softmax and the loss `chunk` rows at a time inside one autograd Function that keeps only
+its inputs (the normed hidden states, lm_head's weight, the targets); backward computes each
+chunk's logits again and from them the gradients of the hidden states and of the weight:
+
+    d/dz [ -sum_v t_v log softmax(z)_v ] = softmax(z) * sum_v t_v - t
+
+(t soft targets, or the one-hot of a label). Under autocast the matmuls run in autocast's dtype
+as `nn.Linear` would, the softmax and the loss in fp32 (fp64 when the inputs are fp64).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _compute_dtype(h: Tensor) -> torch.dtype:
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return h.dtype
+
+
+def chunk_logit_grad(z: Tensor, t: Tensor, hard: bool) -> Tensor:
+    """d loss / d z for one chunk: z [c, V] logits (accumulation dtype), t [c, V] soft targets
+    or [c] labels."""
+    p = torch.softmax(z, dim=-1)
+    if hard:
+        return p.scatter_add(1, t[:, None], torch.full_like(p[:, :1], -1.0))
+    t = t.to(z.dtype)
+    return p * t.sum(-1, keepdim=True) - t
+
+
+class _ChunkedCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, targets, hard, chunk, acc):  # type: ignore[override]
+        cd = _compute_dtype(h)
+        w = weight.to(cd)
+        ce = torch.zeros((), dtype=acc, device=h.device)
+        correct = torch.zeros((), dtype=torch.int64, device=h.device)
+        with torch.autocast(h.device.type, enabled=False):
+            for s in range(0, h.shape[0], chunk):
+                z = F.linear(h[s : s + chunk].to(cd), w).to(acc)
+                logp = F.log_softmax(z, dim=-1)
+                t = targets[s : s + chunk]
+                if hard:
+                    ce -= logp.gather(1, t[:, None]).sum()
+                    correct += (z.argmax(-1) == t).sum()
+                else:
+                    ce -= (t.to(acc) * logp).sum()
+                    correct += (z.argmax(-1) == t.argmax(-1)).sum()
+        ctx.save_for_backward(h, weight, targets)
+        ctx.hard, ctx.chunk, ctx.acc, ctx.cd = hard, chunk, acc, cd
+        ctx.mark_non_differentiable(correct)
+        return ce, correct
+
+    @staticmethod
+    def backward(ctx, grad_ce, _grad_correct):  # type: ignore[override]
+        h, weight, targets = ctx.saved_tensors
+        cd, acc, chunk = ctx.cd, ctx.acc, ctx.chunk
+        w = weight.to(cd)
+        gh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        gw = torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None
+        with torch.autocast(h.device.type, enabled=False):
+            for s in range(0, h.shape[0], chunk):
+                hc = h[s : s + chunk].to(cd)
+                z = F.linear(hc, w).to(acc)
+                g = (chunk_logit_grad(z, targets[s : s + chunk], ctx.hard) * grad_ce).to(cd)
+                if gh is not None:
+                    gh[s : s + chunk] = (g @ w).to(h.dtype)
+                if gw is not None:
+                    gw += (g.t() @ hc).to(acc)
+        return gh, None if gw is None else gw.to(weight.dtype), None, None, None, None
+
+
+def cross_entropy(
+    h: Tensor, weight: Tensor, targets: Tensor, *, hard: bool, chunk: int, acc: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """(sum over rows of the cross-entropy of softmax(h @ weight.T) against `targets`, the
+    number of rows whose argmax matches the target's), `chunk` rows at a time. h [R, D] (the
+    normed hidden states of the rows that count), weight [V, D], targets [R, V] probabilities
+    or [R] labels; acc is the dtype of the softmax and the loss."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be at least 1 row, got {chunk}")
+    return _ChunkedCE.apply(h, weight, targets, hard, chunk, acc)
