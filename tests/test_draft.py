@@ -74,6 +74,14 @@ def random_draft(cfg: DraftConfig, seed: int = 0) -> Eagle3Draft:
 
 
 # ---------------------------------------------------------------------------- vocab
+def test_draft_builds_under_another_default_device() -> None:
+    """`with torch.device(...)` (how bench_cp_train builds on CUDA): every tensor of the draft,
+    its vocab maps included, lands on that device. The meta device stands in for CUDA here."""
+    with torch.device("meta"):
+        draft = Eagle3Draft(tiny_cfg())
+    assert {t.device.type for t in [*draft.parameters(), *draft.buffers()]} == {"meta"}
+
+
 def test_count_tokens_matches_counter() -> None:
     g = torch.Generator().manual_seed(1)
     parts = [torch.randint(0, 30, (n,), generator=g) for n in (0, 5, 17)] + [

@@ -102,8 +102,9 @@ class Eagle3Draft(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         d2t, t2d = identity_maps(cfg.draft_vocab_size, cfg.vocab_size)
-        self.register_buffer("d2t", d2t)
-        self.register_buffer("t2d", t2d)
+        here = self.lm_head.weight.device  # where the module is built (`with torch.device(...)`)
+        self.register_buffer("d2t", d2t.to(here))
+        self.register_buffer("t2d", t2d.to(here))
         # Kept out of the module tree so `.to(bfloat16)` never rounds the inverse frequencies.
         self.__dict__["rotary"] = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.__dict__["_embed"] = _Shared(None)

@@ -60,8 +60,8 @@ def build_draft_vocab(
 def ids_to_maps(target_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d) for strictly increasing target ids (draft id i -> target_ids[i])."""
     target_ids = target_ids.to(device="cpu", dtype=torch.int64)
-    d2t = target_ids - torch.arange(target_ids.numel(), dtype=torch.int64)
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    d2t = target_ids - torch.arange(target_ids.numel(), dtype=torch.int64, device="cpu")
+    t2d = torch.zeros(vocab_size, dtype=torch.bool, device="cpu")  # whatever the default device
     t2d[target_ids] = True
     check_vocab_maps(d2t, t2d, vocab_size)
     return d2t, t2d
@@ -69,7 +69,7 @@ def ids_to_maps(target_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor
 
 def identity_maps(draft_vocab_size: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft id i -> target id i: the maps of a full-vocab draft (or an untrained vocab)."""
-    return ids_to_maps(torch.arange(draft_vocab_size), vocab_size)
+    return ids_to_maps(torch.arange(draft_vocab_size, device="cpu"), vocab_size)
 
 
 def check_vocab_maps(
