@@ -44,7 +44,7 @@ import sys
 import time
 import zlib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import msgpack
@@ -168,10 +168,14 @@ class TapHeader:
         return (4 * T, T * len(self.tap_layers) * H * self.itemsize, T * H * self.itemsize, T)
 
     def to_wire(self) -> dict[str, Any]:
-        d = asdict(self)
+        # not dataclasses.asdict: it deep-copies every field, once per message on the tap's path
+        d = {name: getattr(self, name) for name in _HEADER_FIELDS}
         d["tap_layers"] = list(self.tap_layers)
         d["crc32"] = list(self.crc32)
         return d
+
+
+_HEADER_FIELDS = tuple(f.name for f in fields(TapHeader))
 
 
 @dataclass
