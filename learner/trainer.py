@@ -44,6 +44,7 @@ class TrainConfig:
     num_passes: int = 3  # TTT passes K
     pass_weights: tuple[float, ...] | None = None
     loss_chunk_tokens: int = TTTConfig.loss_chunk_tokens
+    recompute_mlp: bool = TTTConfig.recompute_mlp
     token_budget: int = 4096
     draft_vocab_size: int = 8192
     tap_layers: tuple[int, ...] | None = None  # default: the target's (2, L//2, L-3)
@@ -54,7 +55,9 @@ class TrainConfig:
     recompute: bool = False  # run the target here (ids-only data) instead of streamed features
 
     def ttt(self) -> TTTConfig:
-        return TTTConfig(self.num_passes, self.pass_weights, self.loss_chunk_tokens)
+        return TTTConfig(
+            self.num_passes, self.pass_weights, self.loss_chunk_tokens, self.recompute_mlp
+        )
 
 
 @dataclass

@@ -27,6 +27,7 @@ from typing import Protocol
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from codraft.draft.model import Eagle3Draft
 from codraft.learner.chunked_loss import cross_entropy
@@ -43,6 +44,7 @@ class TTTConfig:
     num_passes: int = 3
     pass_weights: tuple[float, ...] | None = None  # default 0.8 ** (d - 1)
     loss_chunk_tokens: int = 4096  # anchors whose draft logits exist at once
+    recompute_mlp: bool = False  # each pass's o_proj + MLP run again in backward, not kept
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_passes <= MAX_PASSES:
@@ -179,8 +181,9 @@ def ttt_forward(
     total = taps.new_zeros((), dtype=acc)
     out = TTTOutput(total, [], [], [], [])
     passes = draft_states(
-        draft, input_ids, positions, cu_seqlens, taps, attn, config.num_passes, roll=roll
-    )
+        draft, input_ids, positions, cu_seqlens, taps, attn, config.num_passes, roll=roll,
+        recompute_mlp=config.recompute_mlp,
+    )  # fmt: skip
     for d, h in passes:
         rows = torch.nonzero(valid[d - 1]).squeeze(1)
         tgt = roll.gather_ahead(targets, d, rows)
@@ -227,11 +230,14 @@ def draft_states(
     num_passes: int,
     *,
     roll: Roll | None = None,
+    recompute_mlp: bool = False,
 ) -> Iterator[tuple[int, Tensor]]:
     """Yield (d, pass d's output before the final norm [N, H]) for passes d = 1..num_passes
     (teacher-forced: pass d at anchor i reads the true token x[i+d], which is the draft's own
     proposal whenever passes 1..d-1 were right: the only case in which pass d matters for chain
-    drafting)."""
+    drafting). With `recompute_mlp` each pass keeps only the attention output and the residual
+    for backward and runs o_proj and the MLP again there (the attention itself, ring
+    collectives included under CP, runs once)."""
     roll = roll or LocalRoll(cu_seqlens, input_ids.shape[0])
     h = draft.fuse(taps)
     ks: list[Tensor] = []
@@ -241,5 +247,9 @@ def draft_states(
         q, k, v, residual = draft.qkv(draft.embed(ids_d), h, positions + (d - 1))
         ks.append(k)
         vs.append(v)
-        h = draft.finish(attn(q, ks, vs, cu_seqlens), residual)
+        a = attn(q, ks, vs, cu_seqlens)
+        if recompute_mlp:
+            h = checkpoint(draft.finish, a, residual, use_reentrant=False)
+        else:
+            h = draft.finish(a, residual)
         yield d, h

@@ -562,7 +562,10 @@ def run(args: argparse.Namespace, mesh: ParallelMesh, device: torch.device) -> l
     draft = build_draft(args, device)
     opt = torch.optim.AdamW(draft.parameters(), lr=LR, betas=BETAS, weight_decay=0.0)
     teacher = build_teacher(args, device)
-    cfg, bf16 = TTTConfig(args.passes), device.type == "cuda" and not args.smoke
+    cfg = TTTConfig(
+        args.passes, loss_chunk_tokens=args.loss_chunk, recompute_mlp=args.recompute_mlp
+    )
+    bf16 = device.type == "cuda" and not args.smoke
     parallels = {"ring": ContextParallel(mesh), "gather": GatherParallel(mesh)}
     parallels["plain"] = parallels["ring"]
     steps = {m: Step(draft, opt, teacher, parallels[m], m, cfg, bf16) for m in args.methods}
@@ -573,7 +576,8 @@ def run(args: argparse.Namespace, mesh: ParallelMesh, device: torch.device) -> l
         for layout in args.layouts:
             lengths = doc_lengths(tokens, layout, args.docs, multiple)
             head = {"cp": args.world, "tokens": tokens, "layout": layout, "docs": len(lengths),
-                    "passes": args.passes, "device": name}  # fmt: skip
+                    "passes": args.passes, "loss_chunk": args.loss_chunk,
+                    "recompute_mlp": args.recompute_mlp, "device": name}  # fmt: skip
             if args.smoke:
                 cp_steps = {m: s for m, s in steps.items() if m != "plain"}
                 errs = check(cp_steps, lengths, args, device)
@@ -725,6 +729,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", type=names, default=None,
                     help="ring,gather (+ plain at world size 1, the default there)")  # fmt: skip
     ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument(
+        "--loss-chunk", type=int, default=TTTConfig.loss_chunk_tokens,
+        help="anchors whose draft logits exist at once (TTTConfig.loss_chunk_tokens)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--recompute-mlp", action="store_true",
+        help="each pass's o_proj + MLP recomputed in backward (TTTConfig.recompute_mlp)",
+    )  # fmt: skip
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--intermediate", type=int, default=14336)
     ap.add_argument("--heads", type=int, default=32)

@@ -118,11 +118,14 @@ CASES = [([7], 1), ([5, 1, 9, 3], 2), ([1, 2, 13, 4], 3), ([6, 10, 2], 4)]
 
 @pytest.mark.parametrize("lengths,K", CASES)
 @pytest.mark.parametrize("hard", [False, True])
-def test_ttt_loss_and_grads_match_dense_fp64(lengths: list[int], K: int, hard: bool) -> None:
+@pytest.mark.parametrize("recompute", [False, True])
+def test_ttt_loss_and_grads_match_dense_fp64(
+    lengths: list[int], K: int, hard: bool, recompute: bool
+) -> None:
     draft = _draft(torch.float64)
     ids, positions, cu, taps, mask, probs = _batch(lengths, torch.float64)
     taps.requires_grad_(True)
-    cfg = TTTConfig(num_passes=K)
+    cfg = TTTConfig(num_passes=K, loss_chunk_tokens=3, recompute_mlp=recompute)
     teacher = None if hard else probs.double()
     got = ttt_forward(draft, ids, positions, cu, taps, mask, pass_attention, cfg, teacher)
     params = [p for p in draft.parameters()] + [taps]
