@@ -1,15 +1,17 @@
-"""What the tap's capture thread takes from the engine's thread, on the host alone.
+"""What assembling the tap's messages takes from the engine's thread, on the host alone.
 
-codraft's capture thread (codraft.server.capture.Assembler) shares the engine's process, and so
-its interpreter lock, with vLLM's engine loop, which is host-bound at large batches. This runs
-the real Assembler (messages built, checked and encoded as the publisher would send them) on
-synthetic steps of a given geometry (default: Llama-8B width, 3 tap layers, bf16 on the wire,
-64 requests of 4 final rows a step, 100-token prompts, 120 outputs each), beside a stand-in for
-the engine thread: a loop of small torch operations, each of which gives up the lock and takes it
-back, as the engine's own calls do. Reported, medians over `--repeats` alternating runs: the
-engine loop's time per step with the capture thread idle and busy, and the capture thread's own
-time per step (how many steps a second it can keep up with). No GPU: the host copy from the
-device is not part of it (on the CPU the rows are on the host already).
+vLLM's engine loop is host-bound at large batches, and every thread of its process shares one
+interpreter lock. This drives codraft's own tap code on synthetic steps of a given geometry
+(default: Llama-8B width, 3 tap layers, bf16 on the wire, 64 requests of 4 final rows a step,
+100-token prompts, 120 outputs each) beside a stand-in for the engine thread (a loop of small
+torch operations, each of which gives up the lock and takes it back, as the engine's calls do),
+with the messages sent over ZeroMQ to a receiver in a process of its own. Arms, alternated
+`--repeats` times (medians reported): "idle" (the engine loop alone), "thread" (the Assembler
+thread and the publisher in the engine's process: `tap_assembly = "thread"`) and "process"
+(codraft.server.tap_process: the engine's process only copies each step's final rows into a
+pipe; the default). Per arm: the engine loop's time per step, and the time until everything it
+captured was received. No GPU: the device-to-host copy is not part of it (on the CPU the rows
+are on the host already).
 
     .venv/bin/python scripts/bench_capture_host.py --out runs/bench_capture_host.json
 """
@@ -18,12 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
+import socket
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
+import zmq
 
 from codraft.server.capture import (
     Assembler,
@@ -34,8 +41,9 @@ from codraft.server.capture import (
     _Finish,
     _Rows,
 )
+from codraft.server.publisher import TapPublisher
 from codraft.server.row_copy import StagedRows
-from codraft.tap.message import encode
+from codraft.server.tap_process import RemotePublisher, TapProcess
 
 
 def make_steps(args: argparse.Namespace) -> list[list]:
@@ -72,43 +80,62 @@ def engine_step(ops: int) -> None:
         x = x + 1
 
 
-def run(args: argparse.Namespace, capture: bool) -> dict:
+def _receive(endpoint: str, count: Any, stop: Any) -> None:
+    """The learner's side, in a process of its own: a PULL socket counting bytes."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.bind(endpoint)
+    while not stop.is_set():
+        if sock.poll(100):
+            frames = sock.recv_multipart(copy=False)
+            with count.get_lock():
+                count.value += sum(len(f.buffer) for f in frames)
+    sock.close(linger=0)
+    ctx.term()
+
+
+def run(args: argparse.Namespace, arm: str, endpoint: str, received: Any) -> dict:
+    """One arm: "idle" (the engine loop alone), "thread" (assembly and publisher in this
+    process, as with tap_assembly = "thread") or "process" (the tap process)."""
     steps = make_steps(args)
-    sent = [0]
-
-    def emit(msg) -> None:
-        sent[0] += sum(len(f) for f in encode(msg))
-
     target = TapTarget(tuple(range(args.taps)), args.hidden, "bench", torch.bfloat16, 4096)
-    asm = Assembler(target, emit, lambda: 0, 8192, CaptureStats())
+    stats = CaptureStats()
+    pub_args = dict(queue_size=4096, hwm=4096, linger_ms=5000)
+    asm = pub = None
+    if arm == "thread":
+        pub = TapPublisher(endpoint, **pub_args)
+        asm = Assembler(target, pub.put, lambda: 0, 8192, stats)
+    elif arm == "process":
+        asm = TapProcess(target, None, lambda: 0, 8192, stats)
+        pub = RemotePublisher(asm, endpoint, **pub_args)
+    before = received.value
     t0 = time.perf_counter()
     for step in steps:
         engine_step(args.engine_ops)
-        if capture:
+        if asm is not None:
             for op in step:
                 asm.put(op)
     engine = time.perf_counter() - t0
-    asm.flush(600)
+    sent = 0
+    if asm is not None:
+        asm.flush(600)
+        pub.flush(600)
+        sent = pub.totals().bytes_sent
+        while received.value - before < sent and time.perf_counter() - t0 < 600:
+            time.sleep(0.01)
     total = time.perf_counter() - t0
-    asm.close()
+    if asm is not None:
+        pub.close()
+        asm.close()
     n = len(steps)
     return {"engine_ms_per_step": engine / n * 1e3, "all_done_ms_per_step": total / n * 1e3,
-            "bytes_sent": sent[0]}  # fmt: skip
+            "bytes_sent": sent, "messages_built": stats.messages_built}  # fmt: skip
 
 
-def capture_alone(args: argparse.Namespace) -> float:
-    """The capture thread's own time per step, nothing beside it."""
-    steps = make_steps(args)
-    target = TapTarget(tuple(range(args.taps)), args.hidden, "bench", torch.bfloat16, 4096)
-    asm = Assembler(target, lambda m: encode(m), lambda: 0, 8192, CaptureStats())
-    t0 = time.perf_counter()
-    for step in steps:
-        for op in step:
-            asm.put(op)
-    asm.flush(600)
-    dt = time.perf_counter() - t0
-    asm.close()
-    return dt / len(steps) * 1e3
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,12 +151,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    runs: dict[str, list[dict]] = {"idle": [], "busy": []}
-    for _ in range(args.repeats):
-        runs["idle"].append(run(args, capture=False))
-        runs["busy"].append(run(args, capture=True))
-    alone = [capture_alone(args) for _ in range(args.repeats)]
-    med = {k: statistics.median(r["engine_ms_per_step"] for r in v) for k, v in runs.items()}
+    mp = multiprocessing.get_context("spawn")
+    received, stop = mp.Value("q", 0), mp.Event()
+    port = _free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    receiver = mp.Process(target=_receive, args=(endpoint, received, stop), daemon=True)
+    receiver.start()
+    arms = ("idle", "thread", "process")
+    runs: dict[str, list[dict]] = {a: [] for a in arms}
+    try:
+        for _ in range(args.repeats):
+            for a in arms:
+                runs[a].append(run(args, a, endpoint, received))
+    finally:
+        stop.set()
+        receiver.join(5)
+    med = {a: statistics.median(r["engine_ms_per_step"] for r in runs[a]) for a in arms}
+    done = {a: statistics.median(r["all_done_ms_per_step"] for r in runs[a]) for a in arms}
     step_bytes = args.batch * args.rows * (args.taps + 1) * args.hidden * 2
     report = {
         "command": " ".join(
@@ -138,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         "geometry": {k: getattr(args, k) for k in ("hidden", "taps", "batch", "rows", "life")},
         "feature_bytes_per_step": step_bytes,
         "engine_ms_per_step": med,
-        "engine_slowdown": med["busy"] / med["idle"],
-        "capture_ms_per_step_alone": statistics.median(alone),
-        "capture_mb_per_s_alone": step_bytes / statistics.median(alone) / 1e3,
+        "engine_slowdown": {a: med[a] / med["idle"] for a in ("thread", "process")},
+        "all_sent_ms_per_step": done,
+        "cpus": os.cpu_count(),
         "runs": runs,
     }
     out = Path(args.out)

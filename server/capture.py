@@ -247,6 +247,47 @@ _DROP_ALL = object()
 _STOP = object()
 
 
+@dataclass
+class StepRows:
+    """A step's final rows on the host, request after request: `ids` [M], `taps` [M, T * H],
+    `last` [M, H] (features as same-width integers); `items` (request, first row, rows, first
+    position, whether the positions are consecutive)."""
+
+    ids: np.ndarray
+    taps: np.ndarray
+    last: np.ndarray
+    items: list[tuple[Any, int, int, int, bool]]
+
+
+def step_rows(op: _Rows, out: tuple[np.ndarray, ...] | None = None) -> StepRows:
+    """The final rows of a step, copied once out of what `to_host` left (on a GPU, pinned
+    buffers that the next step reuses); into `out` (ids, taps, last; large enough) if given."""
+    rows = op.rows
+    rows.to_host()
+    offsets = np.fromiter((off for _, off, _ in op.items), np.int64, len(op.items))
+    counts = np.fromiter((n for _, _, n in op.items), np.int64, len(op.items))
+    starts = np.cumsum(counts) - counts  # where each request's rows begin in the result
+    m = int(counts.sum())
+    index = np.arange(m) + np.repeat(offsets - starts, counts)
+    positions = rows.positions.numpy()[index]
+    first, last_pos = positions[starts], positions[starts + counts - 1]
+    consecutive = (last_pos - first == counts - 1).tolist()
+    src = (rows.ids.numpy(), _bits(rows.taps), _bits(rows.last))
+    if out is None:
+        ids, taps, last = (a[index] for a in src)
+    else:
+        ids, taps, last = (
+            np.take(a, index, axis=0, out=o[:m]) for a, o in zip(src, out, strict=True)
+        )
+    items = [
+        (state, a, n, p, ok)
+        for (state, _, n), a, p, ok in zip(
+            op.items, starts.tolist(), first.tolist(), consecutive, strict=True
+        )
+    ]
+    return StepRows(ids, taps, last, items)
+
+
 class Assembler:
     """The assembly thread (see module doc): consumes the bookkeeping's operations in order."""
 
@@ -257,7 +298,11 @@ class Assembler:
         draft_version: Callable[[], int],
         max_tokens: int,
         stats: CaptureStats,
+        *,
+        thread: bool = True,
     ) -> None:
+        """With `thread` False nothing runs by itself: the owner calls `apply(op)` (the tap
+        process, codraft.server.tap_process, does)."""
         self.target = target
         self.emit = emit
         self.draft_version = draft_version
@@ -267,8 +312,9 @@ class Assembler:
         self._queue: queue.Queue = queue.Queue()
         self._idle = threading.Condition()
         self._busy = 0
-        self._thread = threading.Thread(target=self._run, name="codraft-capture", daemon=True)
-        self._thread.start()
+        if thread:
+            self._thread = threading.Thread(target=self._run, name="codraft-capture", daemon=True)
+            self._thread.start()
 
     # ------------------------------------------------------------------ bookkeeping side
     def put(self, op: Any) -> None:
@@ -302,7 +348,7 @@ class Assembler:
             if op is _STOP:
                 return
             try:
-                self._apply(op)
+                self.apply(op)
             except Exception:
                 log.exception("codraft capture: assembling a tap message failed (dropped)")
             finally:
@@ -317,9 +363,9 @@ class Assembler:
             buf = self.buffers[id(state)] = TapBuffer(state)
         return buf
 
-    def _apply(self, op: Any) -> None:
+    def apply(self, op: Any) -> None:
         if isinstance(op, _Rows):
-            self._rows(op)
+            self.store(step_rows(op))
         elif isinstance(op, _Broken):
             self._buffer(op.state).broken = op.why
         elif isinstance(op, _Finish):
@@ -327,21 +373,10 @@ class Assembler:
         elif op is _DROP_ALL:
             self.buffers.clear()
 
-    def _rows(self, op: _Rows) -> None:
-        rows = op.rows
-        rows.to_host()  # on a GPU, pinned buffers that the next step reuses: copied out here
-        offsets = np.fromiter((off for _, off, _ in op.items), np.int64, len(op.items))
-        counts = np.fromiter((n for _, _, n in op.items), np.int64, len(op.items))
-        starts = np.cumsum(counts) - counts  # where each request's rows begin in the result
-        index = np.arange(int(counts.sum())) + np.repeat(offsets - starts, counts)
-        positions = rows.positions.numpy()[index]
-        first, last_pos = positions[starts], positions[starts + counts - 1]
-        consecutive = (last_pos - first == counts - 1).tolist()
-        # the step's final rows, one copy each; every request keeps views of them
-        ids, taps, last = rows.ids.numpy()[index], _bits(rows.taps)[index], _bits(rows.last)[index]
-        for (state, _, n), a, p, ok in zip(
-            op.items, starts.tolist(), first.tolist(), consecutive, strict=True
-        ):
+    def store(self, rows: StepRows) -> None:
+        """Keep a step's final rows, and send the chunks of requests that have grown long."""
+        ids, taps, last = rows.ids, rows.taps, rows.last
+        for state, a, n, p, ok in rows.items:
             buf = self._buffer(state)
             if not ok:
                 log.error("codraft capture: %s's rows are not consecutive positions", state.req_id)
@@ -453,14 +488,18 @@ class Capture:
         on_finished: Callable[[str], None],
         per_step: Callable[[StepRecord, list[list[int]] | None], None] = lambda r, s: None,
         max_tokens: int = 8192,
+        assembler: Callable[..., Any] | None = None,
     ) -> None:
+        """`assembler`: what assembles (default: an Assembler thread here; codraft.server.
+        tap_process.TapProcess assembles in a process of its own), called as Assembler is."""
         self.target = target
         self.want = want
         self.draft_version = draft_version
         self.on_finished = on_finished
         self.per_step = per_step
         self.stats = CaptureStats()
-        self.assembler = Assembler(target, emit, draft_version, max_tokens, self.stats)
+        make = assembler or Assembler
+        self.assembler = make(target, emit, draft_version, max_tokens, self.stats)
         self.states: dict[str, ReqState] = {}  # delivering side
         self._full: set[str] = set()  # engine thread: requests whose rows are gathered
         self._drop = False

@@ -35,6 +35,9 @@ class EngineConfig:
     # device memory for gathered rows the capture thread has not copied off yet (MiB); past it
     # a step's rows are skipped and counted (steps_skipped)
     tap_device_mb: int = 2048
+    # where tap messages are assembled and sent: "process" (a process of their own, so that
+    # they never wait on, nor hold up, the engine's interpreter lock) or "thread" (the engine's)
+    tap_assembly: str = "process"
     # --- automatic rollback of a new draft whose acceptance collapses
     auto_rollback: bool = True
     rollback_window: int = 64  # verifications (one request's drafts checked in one step)
@@ -45,6 +48,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tap_mode not in TAP_MODES:
             raise ValueError(f"tap_mode must be one of {TAP_MODES}, got {self.tap_mode!r}")
+        if self.tap_assembly not in ("process", "thread"):
+            raise ValueError(
+                f"tap_assembly must be 'process' or 'thread', got {self.tap_assembly!r}"
+            )
         check_sample_rate(self.tap_sample_rate)
         if self.tap_endpoint is not None:
             check_endpoint(self.tap_endpoint)

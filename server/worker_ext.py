@@ -65,6 +65,7 @@ the next engine step (or RPC) after the window shows the collapse.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import re
 import weakref
@@ -83,6 +84,7 @@ from codraft.server.draft_swap import DraftSwapper
 from codraft.server.engine_config import EngineConfig, check_endpoint, check_sample_rate
 from codraft.server.hooks import RunnerHooks, StepListener, StepRecord
 from codraft.server.publisher import PublisherStats, TapPublisher, sampled
+from codraft.server.tap_process import RemotePublisher, TapProcess
 from codraft.server.weights import (
     DraftSlot,
     PolicySlot,
@@ -184,6 +186,7 @@ class CodraftEngine(StepListener):
             on_finished=self._finished,
             per_step=self._account,
             max_tokens=self.cfg.tap_max_tokens,
+            assembler=TapProcess if self.cfg.tap_assembly == "process" and self.is_sender else None,
         )
         try:
             self._apply_tap()
@@ -237,8 +240,16 @@ class CodraftEngine(StepListener):
         hooks = getattr(self, "hooks", None)
         if hooks is not None:
             hooks.uninstall()
-        self.capture.close()
+        self.capture.flush()  # what was captured reaches the publisher, which then closes
         self.close_publisher()
+        self.capture.close()
+
+    def _assembly(self) -> str:
+        """Where tap messages are assembled: "process", "thread", or "process (ended)"."""
+        asm = self.capture.assembler
+        if not isinstance(asm, TapProcess):
+            return "thread"
+        return "process" if asm.alive else "process (ended)"
 
     def close_publisher(self) -> None:
         if self.publisher is not None:
@@ -332,8 +343,11 @@ class CodraftEngine(StepListener):
             self.capture.flush()
             self.close_publisher()
         if want and self.publisher is None:
+            make = TapPublisher
+            if isinstance(self.capture.assembler, TapProcess):  # it publishes from there
+                make = functools.partial(RemotePublisher, self.capture.assembler)
             try:
-                self.publisher = TapPublisher(
+                self.publisher = make(
                     self.endpoint,
                     queue_size=self.cfg.tap_queue_size,
                     hwm=self.cfg.tap_hwm,
@@ -479,6 +493,7 @@ class CodraftEngine(StepListener):
                 "device_bytes_held": self.hooks.copier.held_bytes,
                 "capture_queue_depth": self.capture.assembler.depth(),
                 "hook_errors": self.hooks.errors,
+                "assembly": self._assembly(),
             },
             "hooks": {"runner": self.hooks.kind, **self.hooks.times.to_dict()},
             "acceptance": self.acceptance.snapshot(),

@@ -12,10 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import zmq
 
 from codraft.server.capture import Capture, NewRequest, StepContext, StopRule, TapTarget
 from codraft.server.hooks import ReqSlice, StepRecord
 from codraft.server.row_copy import StagedRows
+from codraft.server.tap_process import RemotePublisher, TapProcess
+from codraft.tap.message import decode
 
 H = 4
 TAPS = (1, 2)
@@ -26,8 +29,14 @@ def _sp(**kw) -> SimpleNamespace:
     return SimpleNamespace(**{**base, **kw})
 
 
+ASSEMBLY = ["thread", "process"]
+
+
 class Harness:
-    def __init__(self, max_tokens: int = 64) -> None:
+    """Capture fed by hand. With `assembly="process"` the messages are assembled and sent by the
+    tap process (codraft.server.tap_process) to a ZeroMQ socket here, and decoded."""
+
+    def __init__(self, max_tokens: int = 64, assembly: str = "thread") -> None:
         self.messages = []
         self.finished: list[str] = []
         self.seq = 0
@@ -38,7 +47,17 @@ class Harness:
             draft_version=lambda: 7,
             on_finished=self.finished.append,
             max_tokens=max_tokens,
+            assembler=TapProcess if assembly == "process" else None,
         )
+        self.sock = None
+        if assembly == "process":
+            self.zctx = zmq.Context()
+            self.sock = self.zctx.socket(zmq.PULL)
+            port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+            self.pub = RemotePublisher(
+                self.cap.assembler, f"tcp://127.0.0.1:{port}", queue_size=256, hwm=1000,
+                linger_ms=1000,
+            )  # fmt: skip
 
     def record(self, rows, new=(), finished=()) -> StepRecord:
         """rows: [(req_id, first position, ids, num_drafts, rejected_tail)] in batch order."""
@@ -64,6 +83,15 @@ class Harness:
 
     def done(self) -> dict[str, list]:
         assert self.cap.flush()
+        if self.sock is not None:
+            sent = self.pub.totals().messages_sent
+            while len(self.messages) < sent:
+                assert self.sock.poll(10_000), "a message the tap process sent never came"
+                self.messages.append(decode(self.sock.recv_multipart(copy=False)))
+            self.pub.close()
+            self.cap.close()
+            self.sock.close(linger=0)
+            self.zctx.term()
         out: dict[str, list] = {}
         for m in self.messages:
             out.setdefault(m.header.request_id.split("#")[0], []).append(m)
@@ -95,8 +123,9 @@ def _steps(h: Harness) -> list[tuple[StepRecord, list[list[int]] | None]]:
 
 
 @pytest.mark.parametrize("order", ["in order", "reversed", "interleaved"])
-def test_rows_and_stop_rule_in_any_delivery_order(order: str) -> None:
-    h = Harness()
+@pytest.mark.parametrize("assembly", ASSEMBLY)
+def test_rows_and_stop_rule_in_any_delivery_order(order: str, assembly: str) -> None:
+    h = Harness(assembly=assembly)
     steps = _steps(h)
     if order == "reversed":
         steps = steps[::-1]
@@ -113,8 +142,9 @@ def test_rows_and_stop_rule_in_any_delivery_order(order: str) -> None:
     assert h.cap.stats.requests_captured == 1 and h.cap.stats.requests_inconsistent == 0
 
 
-def test_long_request_goes_out_in_chunks_while_it_runs() -> None:
-    h = Harness(max_tokens=4)
+@pytest.mark.parametrize("assembly", ASSEMBLY)
+def test_long_request_goes_out_in_chunks_while_it_runs(assembly: str) -> None:
+    h = Harness(max_tokens=4, assembly=assembly)
     for rec, sampled in _steps(h):
         h.cap.on_step(rec, sampled)
     out = h.done()
@@ -124,8 +154,9 @@ def test_long_request_goes_out_in_chunks_while_it_runs() -> None:
     assert sum(m.header.prompt_len for m in out["a"]) == 3
 
 
-def test_a_recomputed_request_overwrites_its_rows() -> None:
-    h = Harness()
+@pytest.mark.parametrize("assembly", ASSEMBLY)
+def test_a_recomputed_request_overwrites_its_rows(assembly: str) -> None:
+    h = Harness(assembly=assembly)
     new = [NewRequest("b", [5, 6], _sp(max_tokens=3), "full")]
     h.cap.on_step(h.record([("b", 0, [5, 6], 0)], new=new), [[7]])
     h.cap.on_step(h.record([("b", 2, [7], 0)]), [[8]])
@@ -149,8 +180,9 @@ def test_a_step_that_never_delivers_is_given_up(monkeypatch: pytest.MonkeyPatch)
     assert h.cap.stats.steps_lost == 1
 
 
-def test_rows_of_a_request_whose_policy_changed_are_not_sent() -> None:
-    h = Harness()
+@pytest.mark.parametrize("assembly", ASSEMBLY)
+def test_rows_of_a_request_whose_policy_changed_are_not_sent(assembly: str) -> None:
+    h = Harness(assembly=assembly)
     new = [NewRequest("d", [1, 2], _sp(max_tokens=2), "full")]
     h.cap.on_step(h.record([("d", 0, [1, 2], 0)], new=new), [[3]])
     rec = h.record([("d", 2, [3], 0)])
