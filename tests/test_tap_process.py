@@ -1,0 +1,94 @@
+"""The tap process (codraft.server.tap_process) when things go wrong: it dies, or the engine's
+process does. What it sends when all is well is checked with the same cases as the in-thread
+assembly in tests/test_capture_steps.py, and through real engines in test_server_engine.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import torch
+from test_capture_steps import Harness, NewRequest, _sp
+
+from codraft.server.capture import CaptureStats, TapTarget
+from codraft.server.tap_process import RemotePublisher, TapProcess
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped) counts as gone
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_a_dead_tap_process_leaves_the_engine_side_serving() -> None:
+    h = Harness(assembly="process")
+    tap = h.cap.assembler
+    new = [NewRequest("a", [1, 2], _sp(max_tokens=3), "full")]
+    h.cap.on_step(h.record([("a", 0, [1, 2], 0)], new=new), [[3]])
+    assert h.cap.flush()
+    tap.proc.kill()
+    tap.proc.wait(10)
+    t0 = time.monotonic()
+    for _ in range(5):  # steps go on: nothing raises, nothing blocks
+        h.cap.on_step(h.record([("a", 2, [3], 0)]), [[4]])
+    assert not h.cap.flush(timeout=5.0)
+    assert time.monotonic() - t0 < 8.0
+    deadline = time.monotonic() + 5
+    while tap.alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not tap.alive
+    h.pub.close()  # answers at once, without the process
+    h.cap.close()
+    h.sock.close(linger=0)
+    h.zctx.term()
+
+
+def test_the_tap_process_ends_with_the_engine_process() -> None:
+    """SIGKILL to the process that started it: its pipe closes and it exits."""
+    code = textwrap.dedent(
+        """
+        import os, sys, torch
+        from codraft.server.capture import CaptureStats, TapTarget
+        from codraft.server.tap_process import RemotePublisher, TapProcess
+        tap = TapProcess(TapTarget((1,), 4, "fp", torch.float32, 100), None, lambda: 0, 64,
+                         CaptureStats())
+        RemotePublisher(tap, "tcp://127.0.0.1:1", queue_size=4, hwm=4, linger_ms=0)
+        print(tap.proc.pid, flush=True)
+        sys.stdin.read()
+        """
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 15
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child), "the tap process outlived the process that started it"
+    finally:
+        parent.kill()
+
+
+def test_a_bad_endpoint_is_a_clear_error() -> None:
+    tap = TapProcess(TapTarget((1,), 4, "fp", torch.float32, 100), None, lambda: 0, 64,
+                     CaptureStats())  # fmt: skip
+    try:
+        try:
+            RemotePublisher(tap, "nonsense://x", queue_size=4, hwm=4, linger_ms=0)
+        except ValueError as e:
+            assert "nonsense://x" in str(e)
+        else:
+            raise AssertionError("a malformed endpoint was accepted")
+    finally:
+        tap.close()
