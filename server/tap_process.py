@@ -478,6 +478,9 @@ class _Child:
             self.asm.apply(_DROP_ALL)
         elif op == "open":
             error = None
+            if self.publisher is not None:  # the engine closes first; never leak a socket
+                self.publisher.close()
+                self.publisher = None
             try:
                 self.publisher = TapPublisher(
                     h["endpoint"], queue_size=h["queue_size"], hwm=h["hwm"],
