@@ -22,7 +22,7 @@ from codraft.draft.model import Eagle3Draft
 from codraft.learner.attention.pass_attention import pass_attention
 from codraft.learner.data.packing import Sample, pack
 from codraft.learner.teacher import Teacher
-from codraft.learner.ttt import draft_passes
+from codraft.learner.ttt import draft_states
 
 
 @dataclass
@@ -100,12 +100,12 @@ def estimate_acceptance(
         ids = packed.input_ids
         n = ids.shape[0]
         hits = torch.zeros(k, n, dtype=torch.bool, device=device)
-        passes = draft_passes(
+        passes = draft_states(
             draft, ids, packed.positions, packed.cu_seqlens,
             packed.taps.to(draft.fc.weight.dtype), pass_attention, k,
         )  # fmt: skip
-        for d, logits in passes:
-            pred = to_target[logits.argmax(-1)]
+        for d, h in passes:
+            pred = to_target[draft.logits(h).argmax(-1)]
             idx = torch.arange(n, device=device) + d + 1
             hits[d - 1] = pred == ids[idx.clamp(max=n - 1)]
         cu = packed.cu_seqlens.tolist()

@@ -202,24 +202,6 @@ def ttt_forward(
     return out
 
 
-def draft_passes(
-    draft: Eagle3Draft,
-    input_ids: Tensor,
-    positions: Tensor,
-    cu_seqlens: Tensor,
-    taps: Tensor,
-    attn: PassAttention,
-    num_passes: int,
-    *,
-    roll: Roll | None = None,
-) -> Iterator[tuple[int, Tensor]]:
-    """Yield (d, draft-vocab logits [N, Vd]) for passes d = 1..num_passes (see draft_states)."""
-    for d, h in draft_states(
-        draft, input_ids, positions, cu_seqlens, taps, attn, num_passes, roll=roll
-    ):
-        yield d, draft.logits(h)
-
-
 def draft_states(
     draft: Eagle3Draft,
     input_ids: Tensor,

@@ -61,10 +61,10 @@ from codraft.server.capture import (
     step_rows,
 )
 from codraft.server.publisher import PublisherStats, TapPublisher
+from codraft.tap.message import DTYPES
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _BITS = {2: np.int16, 4: np.int32}
 PIPE_BYTES = 1 << 20  # the pipe's kernel buffer (Linux F_SETPIPE_SZ), where allowed
 STATS_EVERY_S = 0.1
@@ -382,7 +382,7 @@ class RemotePublisher:
 
 
 def _target_wire(t: TapTarget) -> dict:
-    name = {v: k for k, v in _DTYPES.items()}[t.dtype]
+    name = {v: k for k, v in DTYPES.items()}[t.dtype]
     return {
         "tap_layers": list(t.tap_layers),
         "hidden_size": t.hidden_size,
@@ -398,7 +398,7 @@ class _Child:
         self.out_fd = out_fd
         self.target = TapTarget(
             tuple(init["tap_layers"]), int(init["hidden_size"]), init["fingerprint"],
-            _DTYPES[init["dtype"]], int(init["max_model_len"]),
+            DTYPES[init["dtype"]], int(init["max_model_len"]),
         )  # fmt: skip
         self.stats = CaptureStats()
         self.publisher: TapPublisher | None = None

@@ -74,8 +74,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from codraft.server import hooks
 from codraft.server.acceptance import Acceptance, should_roll_back
 from codraft.server.capture import Capture, StepContext, TapTarget
@@ -96,9 +94,9 @@ from codraft.server.weights import (
     utc_now,
     write_policy_weights,
 )
+from codraft.tap.message import DTYPES
 
 log = logging.getLogger(__name__)
-_WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _error(status: int, message: str) -> dict[str, Any]:
@@ -169,7 +167,7 @@ class CodraftEngine(StepListener):
         self.closed_totals = PublisherStats()
         self.sampled_out = 0
         model_config = self.vllm_config.model_config
-        wire = self.cfg.tap_dtype or {v: k for k, v in _WIRE_DTYPES.items()}.get(
+        wire = self.cfg.tap_dtype or {v: k for k, v in DTYPES.items()}.get(
             model_config.dtype, "bfloat16"
         )
         self.capture = Capture(
@@ -177,7 +175,7 @@ class CodraftEngine(StepListener):
                 tap_layers=taps,
                 hidden_size=int(model_config.hf_config.hidden_size),
                 fingerprint=self.serving["fingerprint"],
-                dtype=_WIRE_DTYPES[wire],
+                dtype=DTYPES[wire],
                 max_model_len=int(model_config.max_model_len),
             ),
             want=self._want,
@@ -194,7 +192,7 @@ class CodraftEngine(StepListener):
             log.error("codraft: tap left off: %s", e)
         # Last, once nothing above can fail: a failed start must not leave hooks behind.
         self.hooks = RunnerHooks(
-            self.runner, taps, self, _WIRE_DTYPES[wire], self.cfg.tap_device_mb << 20
+            self.runner, taps, self, DTYPES[wire], self.cfg.tap_device_mb << 20
         )
         try:
             self.hooks.install()
