@@ -49,6 +49,23 @@ def split_endpoints(spec: str) -> list[str]:
     return parts
 
 
+def check_connectable(endpoint: str) -> None:
+    """Raise ValueError unless every endpoint of `endpoint` has the form a PUSH socket connects
+    to: tcp://HOST:PORT (PORT 1-65535), ipc://PATH or inproc://NAME. Nothing is connected: the
+    check runs where the publisher itself is not (codraft.server.tap_process)."""
+    for e in split_endpoints(endpoint):
+        scheme, _, rest = e.partition("://")
+        ok = bool(rest) and scheme in ("tcp", "ipc", "inproc")
+        if ok and scheme == "tcp":
+            host, _, port = rest.rpartition(":")
+            ok = bool(host) and port.isdigit() and 1 <= int(port) <= 65535
+        if not ok:
+            raise ValueError(
+                f"cannot connect the tap publisher to {endpoint!r}: {e!r} is not of the form "
+                "tcp://HOST:PORT, ipc://PATH or inproc://NAME"
+            )
+
+
 def message_nbytes(msg: TapMessage) -> int:
     """Bytes a message puts on the wire, header excepted (used for messages never encoded)."""
     return len(MAGIC) + sum(msg.header.frame_nbytes())

@@ -60,7 +60,7 @@ from codraft.server.capture import (
     _Rows,
     step_rows,
 )
-from codraft.server.publisher import PublisherStats, TapPublisher
+from codraft.server.publisher import PublisherStats, TapPublisher, check_connectable
 from codraft.tap.message import DTYPES
 
 log = logging.getLogger(__name__)
@@ -143,6 +143,7 @@ class TapProcess:
         self._closing = False
         self.publisher_totals = PublisherStats()  # of the tap process's current publisher
         self.publisher_gen = 0  # which publisher those counts are of (one per open)
+        self._gens = 0
         self.publisher_depth = 0
         self._queue: queue.Queue = queue.Queue()
         self._replies: dict[int, Any] = {}
@@ -212,6 +213,16 @@ class TapProcess:
         self._reader.join(1.0)
 
     # ------------------------------------------------------------------ requests
+    def send(self, header: dict) -> None:
+        """A control operation, in order with the rest, without waiting for it."""
+        self._started()
+        self._queue.put(header)
+
+    def next_publisher(self) -> int:
+        with self._replied:
+            self._gens += 1
+            return self._gens
+
     def request(self, header: dict, timeout: float = 10.0) -> dict | None:
         """Send a control operation in order with the rest; its reply, or None."""
         self._started()
@@ -348,20 +359,19 @@ class TapProcess:
 
 
 class RemotePublisher:
-    """The tap process's publisher, as codraft.server.worker_ext sees a TapPublisher."""
+    """The tap process's publisher, as codraft.server.worker_ext sees a TapPublisher. Opening
+    does not wait for the tap process (it may still be starting, and the RPC that opens it has
+    seconds): the endpoint is checked here, and the process opens it in turn."""
 
     def __init__(
         self, tap: TapProcess, endpoint: str, *, queue_size: int, hwm: int, linger_ms: int
     ) -> None:
+        check_connectable(endpoint)
         self.tap, self.endpoint = tap, endpoint
-        reply = tap.request({"op": "open", "endpoint": endpoint, "queue_size": queue_size,
-                             "hwm": hwm, "linger_ms": linger_ms})  # fmt: skip
-        if reply is None:
-            raise ValueError("the tap process did not answer (see the server log)")
-        if reply.get("error"):
-            raise ValueError(reply["error"])
-        self.gen = int(reply["gen"])
+        self.gen = tap.next_publisher()
         self.closed: PublisherStats | None = None
+        tap.send({"op": "open", "endpoint": endpoint, "queue_size": queue_size, "hwm": hwm,
+                  "linger_ms": linger_ms, "gen": self.gen})  # fmt: skip
 
     def stats(self) -> dict[str, int]:
         return {**vars(self.totals()), "queue_depth": self.tap.publisher_depth}
@@ -477,19 +487,17 @@ class _Child:
             self.states.clear()
             self.asm.apply(_DROP_ALL)
         elif op == "open":
-            error = None
             if self.publisher is not None:  # the engine closes first; never leak a socket
                 self.publisher.close()
                 self.publisher = None
+            self.gen = int(h["gen"])
             try:
                 self.publisher = TapPublisher(
                     h["endpoint"], queue_size=h["queue_size"], hwm=h["hwm"],
                     linger_ms=h["linger_ms"],
                 )  # fmt: skip
-                self.gen += 1
-            except ValueError as e:
-                error = str(e)
-            self.reply({"seq": h["seq"], "error": error, "gen": self.gen})
+            except ValueError as e:  # checked by the engine's process first: not expected
+                log.error("the tap stays silent: %s", e)
         elif op == "close_publisher":
             closed = PublisherStats()
             if self.publisher is not None:

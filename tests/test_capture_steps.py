@@ -8,6 +8,7 @@ rows of rejected proposals hold -1, so a message shows exactly which rows it too
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -54,10 +55,17 @@ class Harness:
             self.zctx = zmq.Context()
             self.sock = self.zctx.socket(zmq.PULL)
             port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+            monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
             self.pub = RemotePublisher(
                 self.cap.assembler, f"tcp://127.0.0.1:{port}", queue_size=256, hwm=1000,
                 linger_ms=1000,
             )  # fmt: skip
+            # the publisher drops what it cannot hand to a connected peer (ZMQ_IMMEDIATE): wait
+            # for the handshake here, and a moment for the other side to finish its own
+            assert monitor.poll(20_000), "the tap process never connected"
+            time.sleep(0.2)
+            self.sock.disable_monitor()
+            monitor.close(linger=0)
 
     def record(self, rows, new=(), finished=()) -> StepRecord:
         """rows: [(req_id, first position, ids, num_drafts, rejected_tail)] in batch order."""
@@ -84,7 +92,9 @@ class Harness:
     def done(self) -> dict[str, list]:
         assert self.cap.flush()
         if self.sock is not None:
-            sent = self.pub.totals().messages_sent
+            totals = self.pub.totals()
+            sent = totals.messages_sent
+            assert totals.messages_dropped == 0, totals
             while len(self.messages) < sent:
                 assert self.sock.poll(10_000), "a message the tap process sent never came"
                 self.messages.append(decode(self.sock.recv_multipart(copy=False)))

@@ -92,3 +92,15 @@ def test_a_bad_endpoint_is_a_clear_error() -> None:
             raise AssertionError("a malformed endpoint was accepted")
     finally:
         tap.close()
+
+
+def test_endpoint_forms_checked_without_connecting() -> None:
+    import pytest
+
+    from codraft.server.publisher import check_connectable
+
+    check_connectable("tcp://127.0.0.1:5557,tcp://learner-1.learner:5557")
+    check_connectable("ipc:///tmp/tap.sock")
+    for bad in ("tcp://host", "tcp://:5557", "tcp://h:99999", "tcp://h:x", "udp://h:1"):
+        with pytest.raises(ValueError, match="not of the form"):
+            check_connectable(bad)
