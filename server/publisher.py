@@ -8,6 +8,10 @@ the queue is full, or the socket's send high-water mark is reached (no learner, 
 exact frame lengths for messages that reached the socket and, for messages dropped at the queue
 (never encoded), the data frames plus the magic frame (the small header is not counted).
 
+For its first CONNECT_GRACE_S after connecting, a message that finds no peer ready waits
+(in the publisher's thread, never the engine's) until one is, within that grace: a learner that
+is listening is not missed while the connection is still being made.
+
 `close()` stops the thread, gives the socket at most `linger_ms` to flush, and counts whatever
 was still queued as dropped. Which requests are captured at all (`sampled`) is decided on the
 engine side, deterministically per request id.
@@ -28,6 +32,7 @@ from codraft.tap.message import MAGIC, TapMessage, encode
 
 log = logging.getLogger(__name__)
 _STOP = object()
+CONNECT_GRACE_S = 2.0
 
 
 def sampled(request_id: str, rate: float) -> bool:
@@ -179,6 +184,7 @@ class TapPublisher:
             sock.setsockopt(zmq.IMMEDIATE, 1)
             for endpoint in split_endpoints(self.endpoint):
                 sock.connect(endpoint)
+            self._grace_until = time.monotonic() + CONNECT_GRACE_S
         except Exception as e:  # a malformed endpoint: report it to the constructor
             self._error = e
             if sock is not None:
@@ -219,8 +225,15 @@ class TapPublisher:
         try:
             sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            self._drop(nbytes)
-            return
+            left = self._grace_until - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLOUT):
+                self._drop(nbytes)
+                return
+            try:  # a peer became ready within the grace
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self._drop(nbytes)
+                return
         with self._lock:
             self._stats.messages_sent += 1
             self._stats.bytes_sent += nbytes
