@@ -5,7 +5,7 @@ thread in that process shares one interpreter lock: each time another thread tak
 back (after a copy, a checksum, a socket call) the engine thread waits for it. Measured with
 `scripts/bench_capture_host.py`, the capture thread in the engine's process made a host-bound
 loop's step 1.8x as long while it assembled 8 MB a step, though it held the lock for a fraction
-of that (docs/benchmarks.md). So by default (`EngineConfig.tap_assembly = "process"`) the
+of that (docs/benchmarks.md). So with `EngineConfig.tap_assembly = "process"` the
 engine's process keeps only what must be there:
 
 * bookkeeping in step order (codraft.server.capture.Capture), unchanged;
