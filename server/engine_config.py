@@ -36,9 +36,8 @@ class EngineConfig:
     # a step's rows are skipped and counted (steps_skipped)
     tap_device_mb: int = 2048
     # where tap messages are assembled and sent: "process" (a process of their own, so that
-    # they never wait on, nor hold up, the engine's interpreter lock) or "thread" (the engine's;
-    # the default until the process's first messages stop racing its connection in CI)
-    tap_assembly: str = "thread"
+    # they never wait on, nor hold up, the engine's interpreter lock) or "thread" (the engine's)
+    tap_assembly: str = "process"
     # --- automatic rollback of a new draft whose acceptance collapses
     auto_rollback: bool = True
     rollback_window: int = 64  # verifications (one request's drafts checked in one step)

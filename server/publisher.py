@@ -122,13 +122,20 @@ class TapPublisher:
             raise ValueError(f"cannot connect the tap publisher to {endpoint!r}: {self._error}")
 
     # ------------------------------------------------------------------ engine side
-    def put(self, msg: TapMessage) -> bool:
-        """Queue `msg` for sending; False (and counted as dropped) when the queue is full."""
+    def put(self, msg: TapMessage, wait_s: float = 0.0) -> bool:
+        """Queue `msg` for sending; False (and counted as dropped) when the queue is full.
+        An engine step never waits (`wait_s = 0`); the tap process, which is not the engine,
+        waits up to `wait_s` for room, so that a burst it assembles (its backlog after it
+        starts, or a step of many requests) is paced by the socket rather than dropped at the
+        queue; the socket still drops at its high-water mark (a learner that does not keep up)."""
         if self._closed:
             self._drop(message_nbytes(msg))
             return False
         try:
-            self._queue.put_nowait(msg)
+            if wait_s > 0:
+                self._queue.put(msg, timeout=wait_s)
+            else:
+                self._queue.put_nowait(msg)
             return True
         except queue.Full:
             self._drop(message_nbytes(msg))

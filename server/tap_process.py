@@ -5,7 +5,7 @@ thread in that process shares one interpreter lock: each time another thread tak
 back (after a copy, a checksum, a socket call) the engine thread waits for it. Measured with
 `scripts/bench_capture_host.py`, the capture thread in the engine's process made a host-bound
 loop's step 1.8x as long while it assembled 8 MB a step, though it held the lock for a fraction
-of that (docs/benchmarks.md). So with `EngineConfig.tap_assembly = "process"` the
+of that (docs/benchmarks.md). So with `EngineConfig.tap_assembly = "process"` (the default) the
 engine's process keeps only what must be there:
 
 * bookkeeping in step order (codraft.server.capture.Capture), unchanged;
@@ -68,6 +68,9 @@ log = logging.getLogger(__name__)
 _BITS = {2: np.int16, 4: np.int32}
 PIPE_BYTES = 1 << 20  # the pipe's kernel buffer (Linux F_SETPIPE_SZ), where allowed
 STATS_EVERY_S = 0.1
+# How long the tap process waits for room in its publisher's queue before it drops a message
+# (TapPublisher.put): its input backs up into the pipe meanwhile, never into the engine's step.
+EMIT_WAIT_S = 5.0
 _STOP = object()
 
 
@@ -426,7 +429,7 @@ class _Child:
 
     def _emit(self, msg: Any) -> None:
         if self.publisher is not None:
-            self.publisher.put(msg)
+            self.publisher.put(msg, wait_s=EMIT_WAIT_S)
 
     def _stats(self) -> dict:
         pub = self.publisher

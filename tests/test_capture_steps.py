@@ -37,7 +37,13 @@ class Harness:
     """Capture fed by hand. With `assembly="process"` the messages are assembled and sent by the
     tap process (codraft.server.tap_process) to a ZeroMQ socket here, and decoded."""
 
-    def __init__(self, max_tokens: int = 64, assembly: str = "thread") -> None:
+    def __init__(
+        self,
+        max_tokens: int = 64,
+        assembly: str = "thread",
+        queue_size: int = 256,
+        handshake: bool = True,
+    ) -> None:
         self.messages = []
         self.finished: list[str] = []
         self.seq = 0
@@ -57,13 +63,14 @@ class Harness:
             port = self.sock.bind_to_random_port("tcp://127.0.0.1")
             monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
             self.pub = RemotePublisher(
-                self.cap.assembler, f"tcp://127.0.0.1:{port}", queue_size=256, hwm=1000,
+                self.cap.assembler, f"tcp://127.0.0.1:{port}", queue_size=queue_size, hwm=1000,
                 linger_ms=1000,
             )  # fmt: skip
-            # the publisher drops what it cannot hand to a connected peer (ZMQ_IMMEDIATE): wait
-            # for the handshake here, and a moment for the other side to finish its own
-            assert monitor.poll(20_000), "the tap process never connected"
-            time.sleep(0.2)
+            if handshake:
+                # ZMQ_IMMEDIATE: nothing is handed to a peer not yet connected. Wait for the
+                # handshake here, and a moment for the other side to finish its own
+                assert monitor.poll(20_000), "the tap process never connected"
+                time.sleep(0.2)
             self.sock.disable_monitor()
             monitor.close(linger=0)
 

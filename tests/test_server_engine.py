@@ -549,7 +549,7 @@ def test_capture_is_exact(run: EngineRun) -> None:
     tap = run.phase("bad")["stats"]["tap"]
     assert tap["hook_errors"] == 0 and tap["requests_inconsistent"] == 0, tap
     assert tap["requests_incomplete"] == 0 and tap["steps_lost"] == 0, tap
-    assert tap["assembly"] == "thread", tap  # EngineConfig.tap_assembly's default
+    assert tap["assembly"] == "process", tap  # EngineConfig.tap_assembly's default
 
 
 @pytestmark_vllm
