@@ -99,6 +99,7 @@ class HookTimes:
 
     steps: int = 0
     record_ns: int = 0  # execute_model, after the forward: the record and the row gather
+    gather_ns: int = 0  # of record_ns: the row gather (RowCopier.copy) alone
     deliver_ns: int = 0  # sampled tokens handed to the listener
 
     def to_dict(self) -> dict[str, float | int]:
@@ -106,6 +107,7 @@ class HookTimes:
         return {
             "steps": self.steps,
             "record_us_per_step": self.record_ns / n / 1e3,
+            "gather_us_per_step": self.gather_ns / n / 1e3,
             "deliver_us_per_step": self.deliver_ns / n / 1e3,
         }
 
@@ -338,7 +340,9 @@ class RunnerHooks:
                 record.row_offsets[i] = offset
                 ranges.append((s.start, s.start + s.num_tokens))
                 offset += s.num_tokens
+            t0 = time.perf_counter_ns()
             record.rows = self.copier.copy(input_ids, positions, taps, hidden, _merge(ranges))
+            self.times.gather_ns += time.perf_counter_ns() - t0
             if record.rows is None:
                 record.row_offsets.clear()
         return record

@@ -48,8 +48,9 @@ RPC interface (all values plain JSON types):
   "bytes_sent", "bytes_dropped", "queue_depth", "requests_captured", "requests_incomplete",
   "requests_inconsistent", "requests_sampled_out", "steps_lost", "steps_skipped",
   "device_bytes_held", "capture_queue_depth", "hook_errors"}, "hooks": {"runner": "v1" |
-  "v2", "steps", "record_us_per_step", "deliver_us_per_step"}, "acceptance": {"<draft
-  version>": {"drafts", "draft_tokens", "accepted_tokens", "acceptance_length"}}, "swaps",
+  "v2", "steps", "record_us_per_step", "gather_us_per_step", "deliver_us_per_step"},
+  "acceptance": {"<draft version>": {"drafts", "draft_tokens", "accepted_tokens",
+  "acceptance_length"}}, "swaps",
   "rollbacks" (manual + automatic), "auto_rollbacks", "policy_version", "draft_version"}.
   `flush=True` first waits (bounded) until what was captured so far is assembled and sent.
 - `codraft_request_versions(request_ids)` -> {"ok", "versions": {id: version | None},

@@ -20,8 +20,11 @@ an input:
   on (full features into a receiver process: bytes and MB/s per batch, drops, the host time
   per step in codraft's hooks, from codraft_stats), and with the tap on in "ids" mode (the same
   bookkeeping and messages, token ids only: no features gathered, copied or sent, which
-  separates what the features cost from what the rest of the tap costs). `--codraft-arms none`
-  leaves them out.
+  separates what the features cost from what the rest of the tap costs); "on-thread" is the
+  tap on with its messages assembled in the engine's process (`tap_assembly = "thread"`) rather
+  than the tap process. `--codraft-arms none` leaves them out, `--no-base` the first arm.
+* every batch runs `--repeats` times (default 5) in the arm's engine; the row reported is the
+  median run's, with every run's tokens/s alongside (`runs_tokens_per_s`).
 
 Outputs are random tokens (random weights); only time is measured. Writes
 `<out>/scale.json` and `<out>/scale.png`.
@@ -50,6 +53,7 @@ from bench_serving import (  # noqa: E402
     strip_ids,
 )
 
+CODRAFT_ARMS = ("off", "on", "ids", "on-thread")  # the tap settings of codraft's arms
 # Llama-3.1-8B's geometry (rope scaling left out: it does not change the cost at 1K tokens)
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -109,8 +113,6 @@ def derive(report: dict, acceptance: list[float]) -> None:
     token x acceptance length: what one draft-and-verify step costs, whatever is accepted), and
     from it the speed-up each set acceptance length would give at that arm's step cost; each
     codraft arm against plain vLLM's EAGLE-3 at the same acceptance; the tap's bandwidth."""
-    if "base" not in report["arms"]:
-        return
     report["vs_plain"], report["tap"] = {}, {}
     for name, arm in report["arms"].items():
         if not name.startswith("codraft"):
@@ -137,6 +139,8 @@ def derive(report: dict, acceptance: list[float]) -> None:
                 "messages_sent": (stats.get("tap") or {}).get("messages_sent"),
                 "hooks": stats.get("hooks"),
             }
+    if "base" not in report["arms"]:
+        return
     base = {b["batch"]: b for b in report["arms"]["base"]["batches"]}
     report["speedup"], report["step_ms"], report["projected_speedup"] = {}, {}, {}
     for name, arm in report["arms"].items():
@@ -164,13 +168,14 @@ def plot(report: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    base = {b["batch"]: b["tokens_per_s"] for b in report["arms"]["base"]["batches"]}
+    base_arm = report["arms"].get("base")
+    base = {b["batch"]: b["tokens_per_s"] for b in base_arm["batches"]} if base_arm else {}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, (name, arm) in enumerate(report["arms"].items()):
         xs = [b["batch"] for b in arm["batches"]]
         style = {"marker": "o", "color": f"C{i}", "label": name}
         ax1.plot(xs, [b["tokens_per_s"] for b in arm["batches"]], **style)
-        if name != "base":
+        if name != "base" and base:
             ax2.plot(xs, [b["tokens_per_s"] / base[b["batch"]] for b in arm["batches"]], **style)
     src = report.get("projected_from")
     for a, row in (report.get("projected_speedup", {}).get(src) or {}).items():
@@ -204,8 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--codraft-arms",
         default="off,on,ids",
-        help="codraft serve's engine: tap off, on (full features), ids (token ids only)",
+        help="codraft serve's engine: tap off, on (full features), ids (token ids only), "
+        "on-thread (full features, assembled in the engine's process: tap_assembly thread)",
     )
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per batch (median kept)")
+    p.add_argument("--no-base", action="store_true", help="leave out the no-speculation arm")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -246,21 +254,24 @@ def main(argv: list[str] | None = None) -> int:
         k=args.k,
         batches=[int(b) for b in args.batches.split(",")],
         max_tokens=args.max_tokens,
+        repeats=args.repeats,
         gpu_memory_utilization=args.gpu_mem,
         prompts=prompts,
         chat=chat,
         cuda_graphs=not args.eager,
         load_format="dummy",
     )
-    arms = [ArmSpec("base", **common)]
-    taps = [t for t in args.codraft_arms.split(",") if t in ("off", "on", "ids")]
+    arms = [ArmSpec("base", **common)] if not args.no_base else []
+    taps = [t for t in args.codraft_arms.split(",") if t in CODRAFT_ARMS]
     for a in acceptance:
         spec = dict(draft=str(draft), synthetic_acceptance=a, **common)
         arms.append(ArmSpec(f"eagle3 AL {a:g}", **spec))
         for tap in taps:
             name = f"codraft tap {tap} AL {a:g}"
             mode = "ids" if tap == "ids" else "full"
-            arms.append(ArmSpec(name, codraft=True, tap=tap != "off", tap_mode=mode, **spec))
+            assembly = "thread" if tap == "on-thread" else "process"
+            arms.append(ArmSpec(name, codraft=True, tap=tap != "off", tap_mode=mode,
+                                tap_assembly=assembly, **spec))  # fmt: skip
     import torch
 
     report: dict = {

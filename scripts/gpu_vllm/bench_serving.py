@@ -86,6 +86,8 @@ class ArmSpec:
     codraft: bool = False  # codraft serve's engine (worker extension, its settings)
     tap: bool = False  # codraft: the tap on into a receiver process
     tap_mode: str = "full"  # codraft, tap on: "full" (features) or "ids" (token ids only)
+    tap_assembly: str = "process"  # codraft: EngineConfig.tap_assembly ("process" or "thread")
+    repeats: int = 1  # timed runs per batch; the row reported is the median run's
     in_process: bool = False  # the engine core in this process: every batch scheduled whole
     cuda_graphs: bool = True  # vLLM's default torch.compile + CUDA graphs (else eager)
     load_format: str = "auto"  # "dummy": random weights, no files (bench_scale.py)
@@ -198,6 +200,16 @@ def _generate(llm: Any, prompts: list[str], max_tokens: int) -> dict[str, Any]:
     }
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median tokens/s (the lower middle of an even count), with every run's
+    tokens/s alongside (`runs_tokens_per_s`, in the order run) for the spread."""
+    ranked = sorted(runs, key=lambda r: r["tokens_per_s"])
+    row = dict(ranked[(len(ranked) - 1) // 2])
+    if len(runs) > 1:
+        row["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
+    return row
+
+
 def batch_prompts(prompts: list[str], n: int) -> list[str]:
     """`n` prompts, distinct while the list lasts (cycled beyond it)."""
     return [prompts[i % len(prompts)] for i in range(n)]
@@ -240,6 +252,9 @@ def engine_kwargs_for(spec: ArmSpec, tap_endpoint: str | None) -> dict[str, Any]
         )  # fmt: skip
         kwargs.update(offline_engine_kwargs(cfg, Path(spec.target), Path(str(spec.draft))))
         kwargs.update(dtype=spec.dtype, max_model_len=spec.max_model_len)
+        from codraft.server.engine_config import ADDITIONAL_CONFIG_KEY
+
+        kwargs["additional_config"][ADDITIONAL_CONFIG_KEY]["tap_assembly"] = spec.tap_assembly
     elif spec.draft:
         kwargs["speculative_config"] = {
             "method": "eagle3",
@@ -289,15 +304,18 @@ def run_arm(spec: ArmSpec) -> dict[str, Any]:
             receiver.settle()
     result["batches"] = []
     for b in spec.batches:
-        before = (receiver.messages, receiver.bytes) if receiver else (0, 0)
-        row = _generate(llm, batch_prompts(prompts, b), spec.max_tokens)
-        if receiver is not None:  # every message of the batch, over the batch's wall time
-            llm.collective_rpc("codraft_stats", kwargs={"flush": True})
-            receiver.settle()
-            row["tap_messages"] = receiver.messages - before[0]
-            row["tap_bytes"] = receiver.bytes - before[1]
-            row["tap_mb_per_s"] = row["tap_bytes"] / row["wall_s"] / 1e6
-        result["batches"].append(row)
+        runs = []
+        for _ in range(max(spec.repeats, 1)):
+            before = (receiver.messages, receiver.bytes) if receiver else (0, 0)
+            row = _generate(llm, batch_prompts(prompts, b), spec.max_tokens)
+            if receiver is not None:  # every message of the run, over the run's wall time
+                llm.collective_rpc("codraft_stats", kwargs={"flush": True})
+                receiver.settle()
+                row["tap_messages"] = receiver.messages - before[0]
+                row["tap_bytes"] = receiver.bytes - before[1]
+                row["tap_mb_per_s"] = row["tap_bytes"] / row["wall_s"] / 1e6
+            runs.append(row)
+        result["batches"].append(median_run(runs))
     if spec.codraft:
         result["stats"] = llm.collective_rpc("codraft_stats", kwargs={"flush": True})[0]
         time.sleep(0.5)  # the last messages on their way to the receiver
