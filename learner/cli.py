@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 from typing import TYPE_CHECKING
 
 from codraft.control_token import resolve_control_token
@@ -140,6 +139,7 @@ def online_config_from_args(args: argparse.Namespace) -> OnlineConfig:
         max_steps=args.steps,
         max_seconds=args.max_seconds,
         train=train_config_from_args(args),
+        parallel=parallel_config_from_args(args),
     )
 
 
@@ -162,20 +162,17 @@ def main(args: argparse.Namespace) -> int:
 
         print(json.dumps(train_from_dir(offline_config_from_args(args)), indent=2))
         return 0
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise SystemExit(
-            "codraft learn --server runs as one process for now (one GPU or CPU); context and "
-            "pipeline parallelism work offline: torchrun ... codraft learn --from-dir DIR --cp N"
-        )
     from codraft.learner.online.daemon import OnlineLearner
 
     try:
         cfg = online_config_from_args(args)
     except ValueError as e:
         raise SystemExit(f"codraft learn: {e}") from None
-    learner = OnlineLearner(cfg)
+    learner = OnlineLearner(cfg)  # under torchrun: every rank, dp x cp from the world size
     learner.install_signal_handlers()
-    print(json.dumps(learner.run(), indent=2))
+    health = learner.run()
+    if learner.main:
+        print(json.dumps(health, indent=2))
     return 0
 
 

@@ -1,6 +1,9 @@
 """`codraft learn --server URL --tap ENDPOINT`: train a draft continuously from a live server.
 
-The loop (one process; ingest and HTTP in background threads):
+One process, or dp x cp ranks under torchrun (`OnlineConfig.parallel`): rank 0 does everything
+below but the training step, which every rank runs on its replica's batch; rank 0 tells the
+others what comes next (codraft.learner.online.feed). The loop (ingest and HTTP in background
+threads):
 
 1. ingest validates and buffers the server's tap messages (codraft.learner.online.ingest/buffer);
 2. once `min_buffer_tokens` are buffered, the first draft is built: the serving draft's geometry
@@ -20,10 +23,11 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -35,13 +39,16 @@ from codraft.draft.config import DraftConfig
 from codraft.draft.model import Eagle3Draft
 from codraft.draft.vocab import build_draft_vocab
 from codraft.learner.acceptance import estimate_acceptance
-from codraft.learner.data.packing import pack
+from codraft.learner.data.packing import PackedBatch, pack
 from codraft.learner.online.buffer import BufferPolicy, SampleBuffer
+from codraft.learner.online.feed import IDLE, IDLE_EVERY_S, RESUME, START, STEP, STOP, BatchFeed
 from codraft.learner.online.http import HttpThread, build_app
 from codraft.learner.online.ingest import TapIngest
 from codraft.learner.online.metrics import LearnerMetrics
 from codraft.learner.online.publish_thread import PublishJob, PublishThread
 from codraft.learner.online.publisher import Publisher, PublishOutcome
+from codraft.learner.parallel.context import ContextParallel
+from codraft.learner.parallel.launch import ParallelConfig, init_distributed, shutdown
 from codraft.learner.teacher import load_embedding
 from codraft.learner.trainer import TrainConfig, Trainer
 from codraft.models.config import TargetConfig
@@ -70,16 +77,32 @@ class OnlineConfig:
     publish_close_timeout_s: float = 60.0  # at shutdown, for the last publish to finish
     train: TrainConfig = field(default_factory=TrainConfig)
     buffer: BufferPolicy = field(default_factory=BufferPolicy)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # under torchrun: dp x cp
 
 
 class OnlineLearner:
+    """Collective under torchrun: every rank constructs one and calls `run()`."""
+
     def __init__(self, cfg: OnlineConfig, client: CodraftClient | None = None) -> None:
+        if cfg.parallel.pp > 1:
+            raise ValueError(
+                "the online learner runs data and context parallelism (--cp); pipeline "
+                "parallelism (--pp, the target recomputed from ids-only taps) runs offline only "
+                "for now: codraft learn --from-dir DIR --pp N"
+            )
         self.cfg = cfg
+        self.mesh, device = init_distributed(cfg.parallel)
+        self.main = self.mesh.is_main
+        self.parallel = ContextParallel(self.mesh) if self.mesh.dims.world_size > 1 else None
+        self.pad_multiple = self.parallel.pad_multiple if self.parallel is not None else 1
+        self.train_cfg = replace(cfg.train, device=str(device))
+        self.feed = BatchFeed(self.mesh, device)
         self.target_dir = resolve_model(cfg.target)
         self.target_config = TargetConfig.from_pretrained(self.target_dir)
         self.client = client or CodraftClient(cfg.server, token=cfg.token)
         self.publisher = Publisher(self.client)
-        self.publishing = PublishThread(self._timed_publish) if cfg.publish_in_background else None
+        background = cfg.publish_in_background and self.main
+        self.publishing = PublishThread(self._timed_publish) if background else None
         self.metrics = LearnerMetrics()
         self.buffer = SampleBuffer(cfg.buffer, seed=cfg.train.seed)
         self.expect = TapExpectation(
@@ -87,7 +110,9 @@ class OnlineLearner:
             hidden_size=self.target_config.hidden_size,
             vocab_size=self.target_config.vocab_size,
         )
-        self.ingest = TapIngest(cfg.tap, self.buffer, self.expect)
+        # rank 0 alone binds the tap endpoint and buffers (codraft.learner.online.feed says why)
+        self.ingest = TapIngest(cfg.tap, self.buffer, self.expect) if self.main else None
+        self._batches: list[PackedBatch] | None = None  # rank 0: the next step's, one a replica
         self.trainer: Trainer | None = None
         self.serving: Eagle3Draft | None = None  # what the server serves, for comparisons
         self.stop_event = threading.Event()
@@ -97,51 +122,99 @@ class OnlineLearner:
 
     # ------------------------------------------------------------------ lifecycle
     def health(self) -> dict:
-        return {
+        out = {
             "status": "ok",
+            "rank": self.mesh.rank,
+            "world_size": self.mesh.dims.world_size,
             "step": self.trainer.step_count if self.trainer else 0,
-            "draft_version": self.trainer.draft_version if self.trainer else None,
-            "buffered_samples": len(self.buffer),
-            "tap_accepted": self.ingest.stats.accepted,
-            "tap_rejected": dict(self.ingest.stats.rejected),
-            "published": self.published,
         }
+        if self.main:
+            out.update(
+                draft_version=self.trainer.draft_version if self.trainer else None,
+                buffered_samples=len(self.buffer),
+                tap_accepted=self.ingest.stats.accepted,
+                tap_rejected=dict(self.ingest.stats.rejected),
+                published=self.published,
+            )
+        return out
 
     def run(self) -> dict:
-        self.ingest.start()
-        if self.cfg.http_port:
+        """Train until stopped (a signal, max_steps, max_seconds); the health summary."""
+        if self.main:
+            self.ingest.start()
+            log.info("listening for taps on %s; server %s", self.ingest.bound, self.cfg.server)
+        if self.cfg.http_port:  # every rank: its own port, 9100 + its local rank
             app = build_app(self.metrics.registry, self.health)
-            self.http = HttpThread(app, self.cfg.http_host, self.cfg.http_port).start()
-        log.info("listening for taps on %s; server %s", self.ingest.bound, self.cfg.server)
-        t0 = time.monotonic()
+            port = self.cfg.http_port + int(os.environ.get("LOCAL_RANK", "0"))
+            self.http = HttpThread(app, self.cfg.http_host, port).start()
+        self._t0 = time.monotonic()
+        clean = False
         try:
-            while not self.stop_event.is_set():
-                if self.cfg.max_seconds and time.monotonic() - t0 > self.cfg.max_seconds:
+            while True:
+                op = self.feed.command(self._next_op() if self.main else IDLE)
+                if op == STOP:
+                    if self.main:
+                        self._save_on_stop()
                     break
-                if (
-                    self.trainer
-                    and self.cfg.max_steps
-                    and (self.trainer.step_count >= self.cfg.max_steps)
-                ):
-                    break
-                self._export_gauges()
-                self._apply_published()
-                if self.trainer is None and not self._start_trainer():
-                    time.sleep(0.2)
-                    continue
-                if not self._train_step():
-                    time.sleep(0.1)
-                    continue
-                if self.trainer.step_count % self.cfg.publish_every_steps == 0:
-                    self.maybe_publish()
+                if op in (START, RESUME):
+                    self._start_trainer(resume=op == RESUME)
+                elif op == STEP:
+                    self._train_step()
+                    if self.main and self.trainer.step_count % self.cfg.publish_every_steps == 0:
+                        self.maybe_publish()
+            clean = True
         finally:
             if self.publishing is not None:
                 self.publishing.close(self.cfg.publish_close_timeout_s)
                 self._apply_published()
-            self.ingest.stop()
+            if self.ingest is not None:
+                self.ingest.stop()
             if self.http:
                 self.http.stop()
+            if clean and self.mesh.dims.world_size > 1:
+                shutdown()
         return self.health()
+
+    def _next_op(self) -> int:
+        """Rank 0: what every rank does next. Waits (at most IDLE_EVERY_S) for something to do."""
+        deadline = time.monotonic() + IDLE_EVERY_S
+        while True:
+            if self._should_stop():
+                return STOP
+            self._export_gauges()
+            self._apply_published()
+            if self.trainer is None:
+                if (Path(self.cfg.out) / "latest").exists():
+                    return RESUME
+                if self.buffer.tokens >= self.cfg.min_buffer_tokens:
+                    return START
+            else:
+                draws = [self.buffer.draw(self.cfg.train.token_budget)
+                         for _ in range(self.mesh.dp_size)]  # fmt: skip
+                if all(draws):
+                    self._batches = [pack(d, pad_multiple=self.pad_multiple) for d in draws]
+                    return STEP
+            if time.monotonic() >= deadline:
+                return IDLE
+            time.sleep(0.1 if self.trainer is not None else 0.2)
+
+    def _save_on_stop(self) -> None:
+        """A stopping learner keeps what it trained since its last checkpoint (not published:
+        the next publish takes a newer version)."""
+        trainer = self.trainer
+        if trainer is None or trainer.step_count == self._saved_step:
+            return
+        trainer.save(policy_version=self.buffer.newest_policy)
+        self._saved_step = trainer.step_count
+        log.info("stopped at step %d: checkpoint v%d", trainer.step_count, trainer.draft_version)
+
+    def _should_stop(self) -> bool:
+        if self.stop_event.is_set():
+            return True
+        if self.cfg.max_seconds and time.monotonic() - self._t0 > self.cfg.max_seconds:
+            return True
+        steps = self.trainer.step_count if self.trainer else 0
+        return bool(self.cfg.max_steps and steps >= self.cfg.max_steps)
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -164,20 +237,28 @@ class OnlineLearner:
             return None, None
         return cfg, Path(info.path)
 
-    def _start_trainer(self) -> bool:
+    def _start_trainer(self, resume: bool) -> None:
+        """Every rank: resume from --out's newest checkpoint, or start from rank 0's new draft."""
         out = Path(self.cfg.out)
-        serving_cfg, serving_path = self._serving_config()
-        if (out / "latest").exists():
+        serving_cfg, serving_path = self._serving_config() if self.main else (None, None)
+        if resume:
+            if not (out / "latest").exists():
+                raise RuntimeError(
+                    f"rank {self.mesh.rank} finds no checkpoint in {out}, which rank 0 resumes "
+                    "from: --out must be a folder every learner rank sees (a shared volume)"
+                )
             latest = out / (out / "latest").read_text().strip() / "draft"
             draft, _ = load_draft(latest)
         else:
-            if self.buffer.tokens < self.cfg.min_buffer_tokens:
-                return False
-            draft = self._new_draft(serving_cfg)
+            draft = self.feed.share_draft(self._new_draft(serving_cfg) if self.main else None)
         self.trainer = Trainer(
-            self.target_dir, out, self.cfg.train, draft=draft, target_config=self.target_config
-        )
+            self.target_dir, out, self.train_cfg, draft=draft, target_config=self.target_config,
+            parallel=self.parallel,
+        )  # fmt: skip
         self.trainer.resume()
+        self._saved_step = self.trainer.step_count
+        if not self.main:
+            return
         if serving_path is not None:
             try:
                 served, _ = load_draft(serving_path)
@@ -194,7 +275,6 @@ class OnlineLearner:
             self.trainer.step_count, self.trainer.draft_version,
             draft.config.draft_vocab_size, list(draft.config.tap_layers),
         )  # fmt: skip
-        return True
 
     def _new_draft(self, serving_cfg: DraftConfig | None) -> Eagle3Draft:
         t = self.cfg.train
@@ -225,15 +305,17 @@ class OnlineLearner:
         if self.trainer and self.trainer.draft_version < server:
             self.trainer.draft_version = server
 
-    def _train_step(self) -> bool:
-        samples = self.buffer.draw(self.cfg.train.token_budget)
-        if not samples:
-            return False
-        m = self.trainer.step(pack(samples))
+    def _train_step(self) -> None:
+        """Every rank: one step on its replica's batch (rank 0 drew them in `_next_op`)."""
+        if self.main:
+            batches, self._batches = self._batches, None
+            batch = self.feed.send_batches(batches)
+        else:
+            batch = self.feed.recv_batch()
+        m = self.trainer.step(batch)
         self.metrics.steps.inc()
-        self.metrics.tokens.inc(m.tokens)
-        self.metrics.loss.set(m.loss)
-        return True
+        self.metrics.tokens.inc(m.tokens)  # this rank's replica's tokens
+        self.metrics.loss.set(m.loss)  # the whole step's
 
     def _export_gauges(self) -> None:
         st = self.ingest.stats
@@ -265,6 +347,7 @@ class OnlineLearner:
         ckpt = trainer.save(
             counters={"est_acceptance": cand or 0.0}, policy_version=self.buffer.newest_policy
         )
+        self._saved_step = trainer.step_count
         job = PublishJob(
             trainer.draft_dir(ckpt),
             trainer.draft_version,

@@ -1,0 +1,167 @@
+"""`codraft learn --server` under torchrun (gloo, CPU): the distributed online learner.
+
+Real processes: torchrun starts the ranks of `python -m codraft.cli learn`, rank 0 binds the tap
+socket, and this test pushes recorded-style tap messages to it over real ZeroMQ. No server
+listens at --server (a closed port): the learner reads no serving draft and, with
+--publish-every past --steps, publishes nothing; it checkpoints when it stops. The learner
+starts training only when every message is buffered (--min-buffer-tokens = the training
+tokens), so the data order is fixed, and then:
+
+* CP 2 (2 ranks) ends with the single-process run's weights (fp32, 1e-5);
+* dp 2 x cp 2 (4 ranks) ends with dp 2 x cp 1's (2 ranks): the same batches per replica, each
+  split over two CP ranks or not (the gradient sum over dp is covered against one device by
+  tests/test_cp.py);
+* a planted bug, from the test side (a `sitecustomize` on the ranks' path that turns
+  ContextParallel.reduce_gradients into a no-op): that CP run must not match, so the comparison
+  can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from safetensors.torch import load_file
+
+from codraft.draft.config import DraftConfig
+from codraft.learner.online.buffer import BufferPolicy, is_holdout
+from codraft.models.config import TargetConfig
+from codraft.tap import TapMessage, encode, model_fingerprint
+from codraft.testing import make_tiny_target
+
+STEPS = 4
+BUDGET = 96  # tokens per replica per step
+TOL = 1e-5
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@cache
+def _target() -> Path:
+    root = Path(os.environ.get("CODRAFT_TEST_CACHE", Path.home() / ".cache" / "codraft-tests"))
+    return make_tiny_target(root / "online-parallel-target")
+
+
+def _messages(target: Path) -> tuple[list[TapMessage], int]:
+    """Messages of the tiny target's geometry, and the tokens the buffer trains on."""
+    tcfg = TargetConfig.from_pretrained(target)
+    taps = DraftConfig.from_target(tcfg, draft_vocab_size=64).tap_layers
+    h, g = tcfg.hidden_size, torch.Generator().manual_seed(3)
+    out, train_tokens = [], 0
+    for i in range(24):
+        n = int(torch.randint(10, 40, (1,), generator=g))
+        msg = TapMessage.build(
+            torch.randint(3, tcfg.vocab_size, (n,), generator=g, dtype=torch.int32),
+            taps=torch.randn(n, len(taps) * h, generator=g),
+            last_hidden=torch.randn(n, h, generator=g),
+            tap_layers=taps,
+            prompt_len=4,
+            request_id=f"req-{i}",
+            fingerprint=model_fingerprint(tcfg),
+        )
+        out.append(msg)
+        if not is_holdout(msg.header.request_id, BufferPolicy.holdout_fraction):
+            train_tokens += n
+    return out, train_tokens
+
+
+PLANT = """
+from codraft.learner.parallel.context import ContextParallel
+ContextParallel.reduce_gradients = lambda self, params: None  # planted: no gradient sum
+"""
+
+
+def _learn(out: Path, nproc: int, cp: int, plant: bool = False) -> dict[str, torch.Tensor]:
+    """One learner run to STEPS steps; the weights of its final checkpoint."""
+    target = _target()
+    messages, tokens = _messages(target)
+    tap = f"tcp://127.0.0.1:{_port()}"
+    args = [
+        "learn", "--server", f"http://127.0.0.1:{_port()}", "--tap", tap, "--target", str(target),
+        "--out", str(out), "--steps", str(STEPS), "--publish-every", "1000", "--http-port", "0",
+        "--min-buffer-tokens", str(tokens), "--token-budget", str(BUDGET), "--draft-vocab", "64",
+        "--k", "2", "--device", "cpu", "--cp", str(cp), "--lr", "3e-3",
+    ]  # fmt: skip
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "codraft.cli", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(_port()), "-m", "codraft.cli", *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CODRAFT_NO_PRELOAD": "1"}
+    if plant:
+        site = out.with_name(out.name + "-site")
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(PLANT)
+        env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
+    log = out.with_suffix(".log")
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(tap)  # queued here until rank 0 binds
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        for m in messages:
+            push.send_multipart(encode(m))
+        try:
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            push.close(linger=0)
+            ctx.term()
+    text = log.read_text()
+    assert proc.returncode == 0, f"learner exited {proc.returncode}:\n{text[-4000:]}"
+    latest = out / (out / "latest").read_text().strip()
+    assert json.loads((latest / "state.json").read_text())["step"] == STEPS, text[-2000:]
+    return load_file(latest / "draft" / "model.safetensors")
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+@cache
+def _runs(tmp: str) -> dict[str, dict[str, torch.Tensor]]:
+    root = Path(tmp)
+    return {
+        "single": _learn(root / "single", 1, 1),
+        "cp2": _learn(root / "cp2", 2, 2),
+        "cp2-planted": _learn(root / "cp2-planted", 2, 2, plant=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
+    return _runs(str(tmp_path_factory.mktemp("online-parallel")))
+
+
+def test_cp2_matches_the_single_process_run(runs) -> None:
+    err = _max_diff(runs["cp2"], runs["single"])
+    print(f"CP 2 against one process: {err:.2e}")
+    assert err <= TOL, f"CP 2 against one process: max weight difference {err:.2e}"
+
+
+def test_a_planted_missing_gradient_sum_is_caught(runs) -> None:
+    err = _max_diff(runs["cp2-planted"], runs["single"])
+    print(f"planted: {err:.2e}")
+    assert err > 1e-3, f"CP 2 without the gradient sum matched ({err:.2e}): the check is blind"
+
+
+def test_dp2_cp2_matches_dp2(tmp_path) -> None:
+    dp = _learn(tmp_path / "dp2", 2, 1)
+    dpcp = _learn(tmp_path / "dp2cp2", 4, 2)
+    err = _max_diff(dpcp, dp)
+    print(f"dp 2 x cp 2 against dp 2: {err:.2e}")
+    assert err <= TOL, f"dp 2 x cp 2 against dp 2: max weight difference {err:.2e}"
