@@ -23,6 +23,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from functools import cache
 from pathlib import Path
 
@@ -165,3 +166,110 @@ def test_dp2_cp2_matches_dp2(tmp_path) -> None:
     err = _max_diff(dpcp, dp)
     print(f"dp 2 x cp 2 against dp 2: {err:.2e}")
     assert err <= TOL, f"dp 2 x cp 2 against dp 2: max weight difference {err:.2e}"
+
+
+def _ranks(agent: int) -> dict[int, int]:
+    """RANK -> pid of torchrun's workers (children of its agent process)."""
+    out = {}
+    for child in Path(f"/proc/{agent}/task/{agent}/children").read_text().split():
+        try:
+            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in env:
+            if item.startswith(b"RANK="):
+                out[int(item[5:])] = int(child)
+    return out
+
+
+def _latest(out: Path) -> tuple[int, int] | None:
+    """(step, draft version) of the newest complete checkpoint, or None."""
+    try:
+        state = json.loads((out / (out / "latest").read_text().strip() / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return int(state["step"]), int(state["draft_version"])
+
+
+def test_killed_ranks_resume_with_versions_climbing(tmp_path) -> None:
+    """CP 2 under `torchrun --max-restarts`: five times a rank is killed with SIGKILL (rank 1
+    mid-step, rank 0 just after a checkpoint, while its publish runs), torchrun restarts both,
+    they resume from the newest checkpoint, and the run reaches its last step with every
+    checkpoint complete and versions only climbing. Messages keep coming meanwhile."""
+    import signal
+    import threading
+
+    from codraft.draft.checkpoint import load_draft
+
+    target, steps, out = _target(), 40, tmp_path / "run"
+    messages, _ = _messages(target)
+    tap = f"tcp://127.0.0.1:{_port()}"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--max-restarts", "20", "--master-port", str(_port()), "-m", "codraft.cli",
+        "learn", "--server", f"http://127.0.0.1:{_port()}", "--tap", tap, "--target", str(target),
+        "--out", str(out), "--steps", str(steps), "--publish-every", "4", "--http-port", "0",
+        "--min-buffer-tokens", "200", "--token-budget", str(BUDGET), "--draft-vocab", "64",
+        "--k", "2", "--device", "cpu", "--cp", "2",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CODRAFT_NO_PRELOAD": "1"}
+    stop = threading.Event()
+
+    def feed() -> None:  # the server's stream: the same requests again and again
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 64)
+        push.connect(tap)
+        while not stop.is_set():
+            for m in messages:
+                try:
+                    push.send_multipart(encode(m), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    time.sleep(0.05)
+            time.sleep(0.05)
+        push.close(linger=0)
+        ctx.term()
+
+    threading.Thread(target=feed, daemon=True).start()
+    log = tmp_path / "learner.log"
+    seen: list[tuple[int, int]] = []
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        try:
+            gone: set[int] = set()  # the pids of every group stopped so far
+            for kill in range(5):
+                rank = 1 if kill % 2 == 0 else 0
+                # wait for a new group (none of its ranks seen before) and a checkpoint newer
+                # than the last seen: the restarted run resumed and trains
+                deadline = time.monotonic() + 240
+                while time.monotonic() < deadline:
+                    pids = _ranks(proc.pid)
+                    got = _latest(out)
+                    fresh = len(pids) == 2 and not gone & set(pids.values())
+                    if fresh and got is not None and (not seen or got > seen[-1]):
+                        seen.append(got)
+                        break
+                    assert proc.poll() is None, log.read_text()[-3000:]
+                    time.sleep(0.1)
+                else:
+                    raise AssertionError(f"no new checkpoint after kill {kill}: {seen}")
+                if rank == 1:
+                    time.sleep(0.5)  # inside the steps that follow
+                gone |= set(pids.values())
+                print(f"kill {kill}: rank {rank} (pid {pids[rank]}) after {seen[-1]}")
+                os.kill(pids[rank], signal.SIGKILL)
+            proc.wait(timeout=400)
+        finally:
+            stop.set()
+            if proc.poll() is None:
+                proc.kill()
+    text = log.read_text()
+    assert proc.returncode == 0, f"torchrun exited {proc.returncode}:\n{text[-4000:]}"
+    final = _latest(out)
+    assert final is not None and final[0] == steps, (final, text[-3000:])
+    history = [*seen, final]
+    pairs = zip(history, history[1:], strict=False)
+    assert all(b[1] > a[1] and b[0] >= a[0] for a, b in pairs), history
+    for ckpt in sorted(out.glob("ckpt-*")):  # every checkpoint kept is whole: it loads
+        load_draft(ckpt / "draft")
+    assert text.count("(exitcode: -9)") == 5, text[-3000:]  # torchrun saw every kill

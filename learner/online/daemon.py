@@ -217,6 +217,11 @@ class OnlineLearner:
         return bool(self.cfg.max_steps and steps >= self.cfg.max_steps)
 
     def install_signal_handlers(self) -> None:
+        """SIGINT/SIGTERM stop the learner after its step (rank 0 saves a checkpoint and tells
+        the other ranks). Other ranks keep the default: when torchrun stops a group (one rank
+        died, or the job ends) they go at once, and rank 0's next collective fails."""
+        if not self.main:
+            return
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self.stop_event.set())
 
