@@ -123,7 +123,7 @@ def draw(out: Path = OUT) -> Path:
         [
             "pods learner-0 .. learner-(M-1)",
             "torchrun, G ranks per pod",
-            "rank r: ZeroMQ PULL :5557+r",
+            "rank 0: ZeroMQ PULL :5557",
             ":9100 /metrics /health",
             "c10d rendezvous on learner-0",
         ],
@@ -136,7 +136,7 @@ def draw(out: Path = OUT) -> Path:
         3.3,
         1.5,
         "Service codraft-learner",
-        ["headless, not-ready pods too", ":29400 rdzv  :5557+r tap"],
+        ["headless, not-ready pods too", ":29400 rdzv  :5557 tap"],
         "service",
     )
 
@@ -186,7 +186,7 @@ def draw(out: Path = OUT) -> Path:
             "server :8000  <- anyone",
             "server :8001  <- learner pods only",
             "  (+ labelled RL trainers with the component)",
-            "learner :5557.. <- server pods only",
+            "learner :5557 <- server pods only",
             "learner, any port <- learner pods (NCCL)",
             "learner :9100 <- anyone (metrics)",
         ],
@@ -212,7 +212,7 @@ def draw(out: Path = OUT) -> Path:
         ax,
         (9.6, 4.6),
         (9.6, 3.7),
-        "ZeroMQ PUSH tap\n-> every rank",
+        "ZeroMQ PUSH tap\n-> rank 0",
         color="#1f4fa3",
         at=0.5,
         dy=-0.25,

@@ -132,13 +132,12 @@ def network_problems(objs: list[dict]) -> list[str]:
     if not _only_pods(_peers(guarding["server"], control), [learner]):
         out.append(f"the server's control port {control} admits more than the learner pods")
     torchrun, learn = learner_flags(objs)
-    base = _hostport(learn["tap"])[1]
-    for port in range(base, base + int(torchrun["nproc-per-node"])):
-        peers = _peers(guarding["learner"], port)
-        if not _only_pods(peers, [server, learner]):
-            out.append(f"the learner's tap port {port} admits more than server and learner pods")
-        if not any(p and selects(p.get("podSelector", {}), server) for p in peers):
-            out.append(f"the learner's tap port {port} does not admit the server pods")
+    port = _hostport(learn["tap"])[1]  # rank 0's, the one tap socket
+    peers = _peers(guarding["learner"], port)
+    if not _only_pods(peers, [server, learner]):
+        out.append(f"the learner's tap port {port} admits more than server and learner pods")
+    if not any(p and selects(p.get("podSelector", {}), server) for p in peers):
+        out.append(f"the learner's tap port {port} does not admit the server pods")
     rdzv = _hostport("tcp://" + torchrun["rdzv-endpoint"])[1]
     if not any(p and selects(p["podSelector"], learner) for p in _peers(guarding["learner"], rdzv)):
         out.append(f"learner pods cannot reach each other's rendezvous port {rdzv}")
@@ -173,20 +172,20 @@ def learner_problems(objs: list[dict]) -> list[str]:
     if host != f"{LEARNER}-0.{svc_name}" or port_number(c, rdzv) is None or rdzv not in svc_ports:
         out.append(f"rendezvous {torchrun['rdzv-endpoint']} is not pod 0's port in {svc_name}")
 
-    bind_host, base = _hostport(learn["tap"])
-    tap_ports = range(base, base + nproc)
-    want = {f"tcp://{LEARNER}-{i}.{svc_name}:{p}" for i in range(replicas) for p in tap_ports}
+    # global rank 0 (pod 0, local rank 0) alone binds the tap socket and feeds every rank
+    bind_host, tap_port = _hostport(learn["tap"])
+    want = {f"tcp://{LEARNER}-0.{svc_name}:{tap_port}"}
     got = server_flags(objs)["tap-endpoint"].split(",")
     if bind_host != "0.0.0.0":
         out.append(f"the learner binds its tap socket on {bind_host}, not on all interfaces")
     if len(got) != len(set(got)) or set(got) != want:
         out.append(
             f"the server's tap endpoints miss {sorted(want - set(got))} "
-            f"and name unknown {sorted(set(got) - want)} (or repeat one)"
+            f"and name unknown {sorted(set(got) - want)} (or repeat one): only the learner's "
+            "rank 0 binds one"
         )
-    for p in tap_ports:
-        if port_number(c, p) is None or p not in svc_ports:
-            out.append(f"tap port {p} is missing from the learner's ports or {name_of(svc)}")
+    if port_number(c, tap_port) is None or tap_port not in svc_ports:
+        out.append(f"tap port {tap_port} is missing from the learner's ports or {name_of(svc)}")
 
     srv_c = container(find(objs, "Deployment", SERVER), "server")
     if learn["server"] != f"http://{CONTROL_SERVICE}:{server_flags(objs)['control-port']}":

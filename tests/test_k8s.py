@@ -239,11 +239,11 @@ def _learner_np(objs):
 
 
 WIRING_BREAKS = {
-    "tap endpoint dropped": (
+    "tap endpoint on another rank": (
         lambda o: _config(o).update(
-            CODRAFT_TAP_ENDPOINTS=_config(o)["CODRAFT_TAP_ENDPOINTS"].rsplit(",", 1)[0]
+            CODRAFT_TAP_ENDPOINTS="tcp://codraft-learner-1.codraft-learner:5558"
         ),
-        "tap endpoints miss ['tcp://codraft-learner-1.codraft-learner:5564']",
+        "tap endpoints miss ['tcp://codraft-learner-0.codraft-learner:5557']",
     ),
     "nnodes vs replicas": (
         lambda o: find(o, "StatefulSet", "codraft-learner")["spec"].update(replicas=3),
@@ -258,9 +258,9 @@ WIRING_BREAKS = {
         lambda o: find(o, "NetworkPolicy", "codraft-server")["spec"]["ingress"][1].pop("from"),
         "control port 8001 admits more than the learner",
     ),
-    "tap range narrowed": (
-        lambda o: _learner_np(o)[0]["ports"][0].update(endPort=5560),
-        "tap port 5561 does not admit the server",
+    "tap port closed": (
+        lambda o: _learner_np(o)[0]["ports"][0].update(port=5558),
+        "tap port 5557 does not admit the server",
     ),
     "control service exposed": (
         lambda o: find(o, "Service", "codraft-server-control")["spec"].update(type="NodePort"),
@@ -393,8 +393,16 @@ def test_server_probes_are_routes_the_server_serves():
     assert probed <= set(served), (probed, served)
 
 
-def test_the_tap_publisher_connects_to_every_learner_rank():
-    """The multi-rank overlays list one tap endpoint per learner rank; the server's PUSH socket
+def test_every_overlay_names_the_one_tap_socket_of_rank_0():
+    """However many ranks, the learner's global rank 0 alone binds the tap (codraft.learner.
+    online.feed); every overlay's server connects to it, and only to it."""
+    for overlay in OVERLAYS:
+        endpoints = _config_value(overlay, "CODRAFT_TAP_ENDPOINTS").split(",")
+        assert endpoints == ["tcp://codraft-learner-0.codraft-learner:5557"], (overlay, endpoints)
+
+
+def test_the_tap_publisher_spreads_over_several_learners():
+    """A server's tap endpoint may list several learners (comma-separated): the PUSH socket
     connects to each and ZeroMQ spreads messages over them (checked here on loopback)."""
     import time
 
@@ -404,8 +412,6 @@ def test_the_tap_publisher_connects_to_every_learner_rank():
     from codraft.server.publisher import TapPublisher
     from codraft.tap import TapMessage, decode
 
-    endpoints = _config_value("multi-node-learner", "CODRAFT_TAP_ENDPOINTS").split(",")
-    assert len(endpoints) > 1
     ctx = zmq.Context.instance()
     pulls = [ctx.socket(zmq.PULL) for _ in range(2)]
     bound = []
