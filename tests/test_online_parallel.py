@@ -125,6 +125,9 @@ def _learn(out: Path, nproc: int, cp: int, plant: bool = False) -> dict[str, tor
     assert proc.returncode == 0, f"learner exited {proc.returncode}:\n{text[-4000:]}"
     latest = out / (out / "latest").read_text().strip()
     assert json.loads((latest / "state.json").read_text())["step"] == STEPS, text[-2000:]
+    health = json.loads(text[text.rindex('{\n  "status"') :])  # rank 0's, printed at the end
+    assert health["ingested_tokens"] >= tokens and health["trained_tokens"] > 0, health
+    assert health["world_size"] == nproc and health["wait_seconds"] >= 0, health
     return load_file(latest / "draft" / "model.safetensors")
 
 

@@ -113,6 +113,9 @@ class OnlineLearner:
         # rank 0 alone binds the tap endpoint and buffers (codraft.learner.online.feed says why)
         self.ingest = TapIngest(cfg.tap, self.buffer, self.expect) if self.main else None
         self._batches: list[PackedBatch] | None = None  # rank 0: the next step's, one a replica
+        self._saved_step = 0  # the step of the newest checkpoint written or resumed
+        self._saved_policy = 0  # the newest policy version in that checkpoint's data
+        self._waited = 0.0  # seconds this rank waited for its next step
         self.trainer: Trainer | None = None
         self.serving: Eagle3Draft | None = None  # what the server serves, for comparisons
         self.stop_event = threading.Event()
@@ -127,12 +130,15 @@ class OnlineLearner:
             "rank": self.mesh.rank,
             "world_size": self.mesh.dims.world_size,
             "step": self.trainer.step_count if self.trainer else 0,
+            "trained_tokens": self.trainer.tokens_seen if self.trainer else 0,
+            "wait_seconds": round(self._waited, 3),
         }
         if self.main:
             out.update(
                 draft_version=self.trainer.draft_version if self.trainer else None,
                 buffered_samples=len(self.buffer),
                 tap_accepted=self.ingest.stats.accepted,
+                ingested_tokens=self.ingest.stats.accepted_tokens,
                 tap_rejected=dict(self.ingest.stats.rejected),
                 published=self.published,
             )
@@ -151,7 +157,9 @@ class OnlineLearner:
         clean = False
         try:
             while True:
+                t = time.monotonic()
                 op = self.feed.command(self._next_op() if self.main else IDLE)
+                self._wait(time.monotonic() - t)
                 if op == STOP:
                     if self.main:
                         self._save_on_stop()
@@ -198,13 +206,18 @@ class OnlineLearner:
                 return IDLE
             time.sleep(0.1 if self.trainer is not None else 0.2)
 
+    def _wait(self, seconds: float) -> None:
+        self._waited += seconds
+        self.metrics.wait_seconds.inc(seconds)
+
     def _save_on_stop(self) -> None:
         """A stopping learner keeps what it trained since its last checkpoint (not published:
         the next publish takes a newer version)."""
         trainer = self.trainer
         if trainer is None or trainer.step_count == self._saved_step:
             return
-        trainer.save(policy_version=self.buffer.newest_policy)
+        self._saved_policy = self.buffer.newest_policy
+        trainer.save(policy_version=self._saved_policy)
         self._saved_step = trainer.step_count
         log.info("stopped at step %d: checkpoint v%d", trainer.step_count, trainer.draft_version)
 
@@ -316,7 +329,9 @@ class OnlineLearner:
             batches, self._batches = self._batches, None
             batch = self.feed.send_batches(batches)
         else:
+            t = time.monotonic()
             batch = self.feed.recv_batch()
+            self._wait(time.monotonic() - t)
         m = self.trainer.step(batch)
         self.metrics.steps.inc()
         self.metrics.tokens.inc(m.tokens)  # this rank's replica's tokens
@@ -325,6 +340,9 @@ class OnlineLearner:
     def _export_gauges(self) -> None:
         st = self.ingest.stats
         self.metrics.tap_accepted.set(st.accepted)
+        self.metrics.ingested_tokens.set(st.accepted_tokens)
+        self.metrics.buffer_fill.set(self.buffer.tokens / max(1, self.cfg.buffer.max_tokens))
+        self.metrics.policy_lag.set(self.buffer.newest_policy - self._saved_policy)
         for reason, n in st.rejected.items():
             self.metrics.tap_rejected.labels(reason=reason).set(n)
         self.metrics.buffer_samples.set(len(self.buffer))
@@ -349,8 +367,9 @@ class OnlineLearner:
             log.info("candidate %.3f < serving %.3f: not published", cand, serving)
             self.metrics.candidates_skipped.inc()
             return False
+        self._saved_policy = self.buffer.newest_policy
         ckpt = trainer.save(
-            counters={"est_acceptance": cand or 0.0}, policy_version=self.buffer.newest_policy
+            counters={"est_acceptance": cand or 0.0}, policy_version=self._saved_policy
         )
         self._saved_step = trainer.step_count
         job = PublishJob(

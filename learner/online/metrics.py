@@ -39,3 +39,21 @@ class LearnerMetrics:
         self.serving_acceptance = Gauge(
             "codraft_learner_serving_acceptance", "estimated acceptance length", registry=r
         )
+        # backpressure: each rank reports its own; the ingest figures are rank 0's
+        self.wait_seconds = Counter(
+            "codraft_learner_wait_seconds",
+            "seconds this rank spent waiting for its next step (rank 0: for data; the others: "
+            "for rank 0's command and batch)",
+            registry=r,
+        )
+        self.ingested_tokens = Gauge(
+            "codraft_learner_ingested_tokens", "tokens accepted from the tap (rank 0)", registry=r
+        )
+        self.buffer_fill = Gauge(
+            "codraft_learner_buffer_fill", "buffered tokens / the buffer's bound", registry=r
+        )
+        self.policy_lag = Gauge(
+            "codraft_learner_policy_lag",
+            "newest policy version seen minus the newest in the last checkpoint's data",
+            registry=r,
+        )
