@@ -114,12 +114,6 @@ def init_distributed(cfg: ParallelConfig | None = None) -> tuple[ParallelMesh, t
         return ParallelMesh.single(), device
     if not dist.is_initialized():
         backend = _backend(cfg, device, share)
-        if backend == "gloo":
-            # Connect each pair of ranks when it is first used: under `torchrun --max-restarts`
-            # a restarted group's eager full-mesh connect (three quick retries) was refused
-            # again and again on a loaded 2-core host, and the restarts ran out; lazily, every
-            # restart came up (tests/test_online_parallel.py kills ranks five times).
-            os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
         dist.init_process_group(
             backend,
             timeout=timedelta(seconds=cfg.timeout_s),
