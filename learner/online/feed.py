@@ -41,6 +41,7 @@ import torch.distributed as dist
 from codraft.draft.config import DraftConfig
 from codraft.draft.model import Eagle3Draft
 from codraft.learner.data.packing import PackedBatch
+from codraft.learner.parallel.batch_broadcast import from_int_body, int_body, int_body_size
 from codraft.learner.parallel.mesh import ParallelMesh
 
 STOP, IDLE, START, RESUME, STEP = 0, 1, 2, 3, 4
@@ -90,9 +91,8 @@ class BatchFeed:
         header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
         dist.recv(header, src=0)
         n, docs, pad, *feat = header.tolist()
-        body = torch.empty(3 * n + 2 * docs + 1, dtype=torch.int64, device=self.device)
+        body = torch.empty(int_body_size(n, docs), dtype=torch.int64, device=self.device)
         dist.recv(body, src=0)
-        ids, pos, mask, cu, lens = body.cpu().split([n, n, n, docs + 1, docs])
         features = {}
         for i, name in enumerate(_FEATURES):
             width, code, on = feat[3 * i : 3 * i + 3]
@@ -100,11 +100,7 @@ class BatchFeed:
                 t = torch.empty(n, width, dtype=_DTYPES[code], device=self.device)
                 dist.recv(t, src=0)
                 features[name] = t.cpu()
-        return PackedBatch(
-            input_ids=ids.clone(), positions=pos.clone(), cu_seqlens=cu.to(torch.int32),
-            loss_mask=mask.to(torch.uint8), doc_lens=lens.to(torch.int32), pad_multiple=pad,
-            **features,
-        )  # fmt: skip
+        return from_int_body(body, n, docs, pad_multiple=pad, **features)
 
     def _send(self, b: PackedBatch, dst: int) -> int:
         header = [b.num_tokens, b.num_docs, b.pad_multiple]
@@ -118,10 +114,7 @@ class BatchFeed:
                 raise TypeError(f"{name} of dtype {t.dtype}: expected one of {_DTYPES}")
             header += [t.shape[-1], _DTYPES.index(t.dtype), 1]
             tensors.append(t.reshape(b.num_tokens, -1).contiguous().to(self.device))
-        body = torch.cat(
-            [b.input_ids.long(), b.positions.long(), b.loss_mask.long(), b.cu_seqlens.long(),
-             b.doc_lens.long()]
-        ).to(self.device)  # fmt: skip
+        body = int_body(b).to(self.device)
         sent = 0
         for t in (torch.tensor(header, dtype=torch.int64, device=self.device), body, *tensors):
             dist.send(t, dst=dst)

@@ -35,25 +35,32 @@ def broadcast_batch(
     if not has:
         return None
     if me == src:
-        body = torch.cat(
-            [
-                batch.input_ids.to(torch.int64),
-                batch.positions.to(torch.int64),
-                batch.loss_mask.to(torch.int64),
-                batch.cu_seqlens.to(torch.int64),
-                batch.doc_lens.to(torch.int64),
-            ]
-        ).to(device)
+        body = int_body(batch).to(device)
     else:
-        body = torch.empty(3 * n + 2 * docs + 1, dtype=torch.int64, device=device)
+        body = torch.empty(int_body_size(n, docs), dtype=torch.int64, device=device)
     dist.broadcast(body, src=src, group=group)
     if me == src:
         return batch
-    ids, pos, mask, cu, lens = body.cpu().split([n, n, n, docs + 1, docs])
-    return PackedBatch(  # on the CPU, like a freshly packed batch (stages move what they use)
-        input_ids=ids.clone(),
-        positions=pos.clone(),
-        cu_seqlens=cu.to(torch.int32),
-        loss_mask=mask.to(torch.uint8),
-        doc_lens=lens.to(torch.int32),
-    )
+    return from_int_body(body, n, docs)
+
+
+def int_body(batch: PackedBatch) -> torch.Tensor:
+    """A batch's ids, positions, loss mask, cu_seqlens and document lengths in one int64 tensor
+    (what crosses between ranks; `from_int_body` takes it apart)."""
+    return torch.cat(
+        [batch.input_ids.long(), batch.positions.long(), batch.loss_mask.long(),
+         batch.cu_seqlens.long(), batch.doc_lens.long()]
+    )  # fmt: skip
+
+
+def int_body_size(tokens: int, docs: int) -> int:
+    return 3 * tokens + 2 * docs + 1
+
+
+def from_int_body(body: torch.Tensor, tokens: int, docs: int, **features) -> PackedBatch:
+    """The batch `int_body` made, on the CPU like a freshly packed one (with `features`)."""
+    ids, pos, mask, cu, lens = body.cpu().split([tokens, tokens, tokens, docs + 1, docs])
+    return PackedBatch(
+        input_ids=ids.clone(), positions=pos.clone(), cu_seqlens=cu.to(torch.int32),
+        loss_mask=mask.to(torch.uint8), doc_lens=lens.to(torch.int32), **features,
+    )  # fmt: skip
