@@ -32,7 +32,12 @@ import torch
 class StagedRows:
     """One step's gathered rows: `ids` [M] int32, `positions` [M] int64, `taps` [M, T * H] (the
     T tap layers side by side, as a message carries them) and `last` [M, H] (the final hidden
-    state), both in the wire dtype. On the device until `to_host()` (capture thread) has run."""
+    state), both in the wire dtype. On the device until `to_host()` (capture thread) has run.
+
+    The gather (RowCopier) makes two tensors, not four: `ints` [2, M] (the ids and the
+    positions, int64) and `feats` [M, T * H + H] (the taps and the final state side by side), so
+    that the engine step launches two copies and the host copy is two DMAs; `taps` and `last`
+    are column views of `feats` (rows strided, each row contiguous)."""
 
     ids: torch.Tensor
     positions: torch.Tensor
@@ -41,6 +46,24 @@ class StagedRows:
     ready: Any = None  # a CUDA event recorded after the gather, or None (on the host already)
     stage: HostStage | None = None  # where to_host copies to
     _release: Any = field(default=None, repr=False)
+    _packed: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    @classmethod
+    def packed(
+        cls,
+        ints: torch.Tensor,
+        feats: torch.Tensor,
+        tap_width: int,
+        ready: Any = None,
+        stage: HostStage | None = None,
+    ) -> StagedRows:
+        """Rows from the gather's `ints` [2, M] and `feats` [M, tap_width + H]."""
+        rows = cls(ints[0], ints[1], feats[:, :tap_width], feats[:, tap_width:], ready, stage)
+        if ready is None:
+            rows.ids = rows.ids.to(torch.int32)
+        else:
+            rows._packed = (ints, feats)
+        return rows
 
     def to_host(self) -> None:
         """Copy the rows to host memory (blocks the calling thread, never the engine's). On a
@@ -48,9 +71,16 @@ class StagedRows:
         copy, so copy out what is kept before the next `to_host` of the same stage."""
         if self.ready is None:
             return
-        self.ids, self.positions, self.taps, self.last = self.stage.copy(
-            self.ready, (self.ids, self.positions, self.taps, self.last)
-        )
+        if self._packed is None:
+            self.ids, self.positions, self.taps, self.last = self.stage.copy(
+                self.ready, (self.ids, self.positions, self.taps, self.last)
+            )
+        else:
+            ints, feats = self.stage.copy(self.ready, self._packed)
+            width = self.taps.shape[-1]
+            self.ids, self.positions = ints[0].to(torch.int32), ints[1]
+            self.taps, self.last = feats[:, :width], feats[:, width:]
+            self._packed = None
         self.ready = None
         if self._release is not None:
             self._release()
@@ -117,34 +147,34 @@ class RowCopier:
         when the rows would exceed the device memory bound."""
         rows = sum(e - s for s, e in ranges)
         width = sum(t.shape[-1] for t in taps) + hidden.shape[-1]
-        nbytes = rows * (width * self.wire_dtype.itemsize + 12)
+        nbytes = rows * (width * self.wire_dtype.itemsize + 16)
         if self.cuda:
             with self._lock:
                 if self.held_bytes + nbytes > self.max_bytes:
                     self.steps_skipped += 1
                     return None
                 self.held_bytes += nbytes
+        # Two launches on the engine's stream (each torch call also hands the interpreter
+        # lock over, and the engine thread then waits to get it back): the ids and positions
+        # stacked (int64), the taps and the final state side by side.
         if len(ranges) == 1:
             s, e = ranges[0]
-            ids, pos, last = input_ids[s:e], positions[s:e], hidden[s:e]
-            views = [t[s:e] for t in taps]
+            ints = torch.stack((input_ids[s:e], positions[s:e]))
+            feats = torch.cat([*(t[s:e] for t in taps), hidden[s:e]], dim=-1)
         else:
             index = torch.from_numpy(row_index(ranges))
             if self.cuda:
                 index = index.pin_memory().to(self.device, non_blocking=True)
-            ids, pos = input_ids.index_select(0, index), positions.index_select(0, index)
-            views = [t.index_select(0, index) for t in taps]
-            last = hidden.index_select(0, index)
-        side = torch.cat(views, dim=-1)
-        side = side if side.dtype == self.wire_dtype else side.to(self.wire_dtype)
-        last = last.to(self.wire_dtype, copy=True)
-        ids = ids.to(torch.int32, copy=True)
-        pos = pos.to(torch.int64, copy=True)
+            ints = torch.stack((input_ids, positions))[:, index]
+            feats = torch.cat([*taps, hidden], dim=-1).index_select(0, index)
+        if feats.dtype != self.wire_dtype:
+            feats = feats.to(self.wire_dtype)
+        tap_width = feats.shape[-1] - hidden.shape[-1]
         if not self.cuda:
-            return StagedRows(ids, pos, side, last)
+            return StagedRows.packed(ints, feats, tap_width)
         ready = torch.cuda.Event(blocking=True)  # the waiting thread sleeps, never spins
         ready.record(torch.cuda.current_stream(self.device))
-        staged = StagedRows(ids, pos, side, last, ready, self.stage)
+        staged = StagedRows.packed(ints, feats, tap_width, ready, self.stage)
         # the bound is given back once the rows are on the host, or when they are dropped
         staged._release = weakref.finalize(staged, self._give_back, nbytes)
         return staged
