@@ -43,6 +43,7 @@ class DraftInfo(_Reply):
     loaded_at: str | None = None
     tap_layers: list[int] = Field(default_factory=list)
     previous_version: int | None = None
+    highest_version: int | None = None  # a new draft's version must exceed it (409 otherwise)
     acceptance: Acceptance | None = None
 
 

@@ -121,17 +121,24 @@ class DraftSwapper:
         self.fingerprint = fingerprint
         self.current = initial
         self.previous: DraftSlot | None = None
+        # The highest version ever installed: a rollback makes an older draft current again,
+        # and a version number must still name one draft only (responses and per-version
+        # metrics carry it), so a new draft has to be newer than this, not than the current.
+        self.highest = initial.version
         self.staging: Staging | None = None
         self.pool = BufferPool()
         self._stage_into(initial, snapshot=True)
 
     # ------------------------------------------------------------------ prepare
     def _check_newer(self, version: int) -> None:
-        if version <= self.current.version:
+        if version <= self.highest:
+            after = "" if self.highest == self.current.version else (
+                f", though v{self.current.version} serves after a rollback"
+            )  # fmt: skip
             raise SwapError(
                 409,
-                f"draft version {version} is not newer than the serving version "
-                f"{self.current.version}",
+                f"draft version {version} is not newer than v{self.highest}, the highest this "
+                f"server has installed{after}: number the draft {self.highest + 1} or higher",
             )
 
     def _new_staging(self, path: Any, version: Any, sha256: Any) -> Staging:
@@ -303,6 +310,7 @@ class DraftSwapper:
         """Install `slot`; the current draft becomes the previous one."""
         self._write(slot, restore=self.current)
         self.previous, self.current = self.current, slot
+        self.highest = max(self.highest, slot.version)
 
     def _write(self, slot: DraftSlot, restore: DraftSlot) -> None:
         try:

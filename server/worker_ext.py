@@ -13,11 +13,12 @@ after the engine is built, before serving (`codraft serve` does; `codraft_info()
 RPC interface (all values plain JSON types):
 
 - `codraft_info()` -> {"ok", "draft": {"version", "sha256", "path", "loaded_at", "tap_layers",
-  "previous_version"}, "policy": {"version", "path", "loaded_at"}, "tap": {"enabled", "mode",
-  "sample_rate", "endpoint"}, "vllm_version"}
+  "previous_version", "highest_version"}, "policy": {"version", "path", "loaded_at"}, "tap":
+  {"enabled", "mode", "sample_rate", "endpoint"}, "vllm_version"}
 - `codraft_prepare_draft(path, version=None, sha256=None)` -> {"ok", "ticket", "version",
   "ready": False}: starts reading, hashing, checking and staging the checkpoint in a background
-  thread (codraft.server.draft_swap); 409 when version is not above the current one, 404 when path
+  thread (codraft.server.draft_swap); 409 when version is not above the highest one installed
+  (a rollback does not lower it: a version names one draft), 404 when path
   does not exist, 422 on malformed arguments. Returns at once. Supersedes the staged draft (one is
   kept). `version` None: the checkpoint's own (409 from the thread when not newer).
 - `codraft_commit_draft(ticket)` -> {"ok", "ready": False, "ticket", "elapsed_ms"} while the
@@ -363,6 +364,7 @@ class CodraftEngine(StepListener):
         draft = {
             **self.current.info(),
             "previous_version": self.previous.version if self.previous else None,
+            "highest_version": self.swapper.highest,
         }
         return {
             "ok": True,

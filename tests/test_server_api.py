@@ -633,6 +633,14 @@ def test_rollback_over_http(server: ServeProcess, stack) -> None:
     r = _complete(server, PROMPTS[6])
     assert r.headers["x-codraft-draft-version"] == str(before["previous_version"])
     assert r.json()["choices"][0]["token_ids"] == reference[PROMPTS[6]]
+    # A version names one draft: after the rollback the rolled-back number stays taken.
+    now = _draft_now(server)
+    assert now["version"] == before["previous_version"]
+    assert now["highest_version"] == before["version"]
+    r = _swap(server, version=before["version"], path=before["path"])
+    assert r.status_code == 409, r.text
+    assert f"v{before['version']}, the highest" in r.json()["detail"], r.text
+    assert _draft_now(server)["version"] == before["previous_version"]
 
 
 # ------------------------------------------------------------------------------ recorder

@@ -38,8 +38,14 @@ class Publisher:
         self.attempts = max(1, attempts)
         self.backoff_s = backoff_s
 
-    def serving_version(self) -> int | None:
-        return self.client.draft().version
+    def newest_version(self) -> int | None:
+        """The version a new draft must exceed: the highest the server has installed (after a
+        rollback that is above the serving one), or the serving one where the server does not
+        say."""
+        info = self.client.draft()
+        if info.version is None:
+            return info.highest_version
+        return max(info.version, info.highest_version or 0)
 
     def publish(self, draft_dir: Path) -> PublishOutcome:
         meta = read_meta(draft_dir)
@@ -65,6 +71,6 @@ class Publisher:
 
     def _server_version(self) -> int | None:
         try:
-            return self.serving_version()
+            return self.newest_version()
         except (CodraftConnectionError, CodraftHTTPError):
             return None
