@@ -52,6 +52,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="online: publish in the training loop (default: a background thread, training on)",
     )
     p.add_argument("--min-buffer-tokens", type=int, default=1024)
+    p.add_argument(
+        "--fresh-draft",
+        action="store_true",
+        help="online, no checkpoint in --out: a new draft even when the server serves a "
+        "trained one (default: start from its weights)",
+    )
     p.add_argument("--http-port", type=int, default=9100, help="online /health, /metrics (0: off)")
     p.add_argument("--recompute", action="store_true", help="run the target here for features")
     p.add_argument("--device", default="auto")
@@ -138,6 +144,7 @@ def online_config_from_args(args: argparse.Namespace) -> OnlineConfig:
         publish_in_background=not args.publish_blocking,
         max_steps=args.steps,
         max_seconds=args.max_seconds,
+        warm_start=not args.fresh_draft,
         train=train_config_from_args(args),
         parallel=parallel_config_from_args(args),
     )
@@ -145,7 +152,8 @@ def online_config_from_args(args: argparse.Namespace) -> OnlineConfig:
 
 # ------------------------------------------------------------------ the command
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=logging.INFO, format=fmt)
     if bool(args.from_dir) == bool(args.server):
         raise SystemExit("codraft learn: give exactly one of --from-dir DIR or --server URL")
     if args.pp > 1:

@@ -52,4 +52,6 @@ def write_new_draft(
         target_config if target_config is not None else TargetConfig.from_pretrained(target_dir)
     )
     model = new_draft(target, token_counts, **kwargs)
-    return save_draft(out_dir, model, DraftMeta(version=version), overwrite=overwrite)
+    # counters step 0: never trained (a learner starts afresh rather than from these weights)
+    meta = DraftMeta(version=version, counters={"step": 0})
+    return save_draft(out_dir, model, meta, overwrite=overwrite)

@@ -75,6 +75,10 @@ class OnlineConfig:
     max_seconds: float | None = None
     publish_in_background: bool = True  # False: each publish blocks the training loop
     publish_close_timeout_s: float = 60.0  # at shutdown, for the last publish to finish
+    # With no checkpoint in `out`, start from the serving draft's weights when it has been
+    # trained (its codraft.json counters say step > 0, or it is not codraft's: no counters);
+    # False, or an untrained serving draft: a new draft, its vocabulary from the buffer.
+    warm_start: bool = True
     train: TrainConfig = field(default_factory=TrainConfig)
     buffer: BufferPolicy = field(default_factory=BufferPolicy)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # under torchrun: dp x cp
@@ -214,11 +218,12 @@ class OnlineLearner:
         """A stopping learner keeps what it trained since its last checkpoint (not published:
         the next publish takes a newer version)."""
         trainer = self.trainer
-        if trainer is None or trainer.step_count == self._saved_step:
+        if trainer is None:
             return
-        self._saved_policy = self.buffer.newest_policy
-        trainer.save(policy_version=self._saved_policy)
-        self._saved_step = trainer.step_count
+        if trainer.step_count != self._saved_step:
+            self._saved_policy = self.buffer.newest_policy
+            trainer.save(policy_version=self._saved_policy)
+            self._saved_step = trainer.step_count
         log.info("stopped at step %d: checkpoint v%d", trainer.step_count, trainer.draft_version)
 
     def _should_stop(self) -> bool:
@@ -230,13 +235,19 @@ class OnlineLearner:
         return bool(self.cfg.max_steps and steps >= self.cfg.max_steps)
 
     def install_signal_handlers(self) -> None:
-        """SIGINT/SIGTERM stop the learner after its step (rank 0 saves a checkpoint and tells
-        the other ranks). Other ranks keep the default: when torchrun stops a group (one rank
-        died, or the job ends) they go at once, and rank 0's next collective fails."""
-        if not self.main:
-            return
+        """SIGINT/SIGTERM stop the learner after its step, on every rank alike. torchrun (and a
+        pod's termination, through it) signals all ranks at once: rank 0 then sends STOP with
+        its next command and saves a checkpoint, and the other ranks, which only ever follow
+        rank 0's commands, leave when STOP arrives, instead of dying mid-step under rank 0's
+        collective. A second signal ends a rank at once (the default handling is back). When
+        a rank died, the survivors' next collective fails on its closed sockets anyway."""
+
+        def stop(sig: int, _frame: object) -> None:
+            self.stop_event.set()
+            signal.signal(sig, signal.SIG_DFL)
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: self.stop_event.set())
+            signal.signal(sig, stop)
 
     # ------------------------------------------------------------------ pieces
     def _serving_config(self) -> tuple[DraftConfig | None, Path | None]:
@@ -268,7 +279,8 @@ class OnlineLearner:
             latest = out / (out / "latest").read_text().strip() / "draft"
             draft, _ = load_draft(latest)
         else:
-            draft = self.feed.share_draft(self._new_draft(serving_cfg) if self.main else None)
+            first = self._first_draft(serving_cfg, serving_path) if self.main else None
+            draft = self.feed.share_draft(first)
         self.trainer = Trainer(
             self.target_dir, out, self.train_cfg, draft=draft, target_config=self.target_config,
             parallel=self.parallel,
@@ -294,6 +306,25 @@ class OnlineLearner:
             draft.config.draft_vocab_size, list(draft.config.tap_layers),
         )  # fmt: skip
 
+    def _first_draft(self, serving_cfg: DraftConfig | None, path: Path | None) -> Eagle3Draft:
+        """Rank 0, no checkpoint in --out: the serving draft's weights when it was trained (a
+        learner that lost its volume, or joins a server already serving a good draft, goes on
+        from there instead of training up to it again), else a new draft."""
+        if not self.cfg.warm_start or path is None or serving_cfg is None:
+            return self._new_draft(serving_cfg)
+        try:
+            served, meta = load_draft(path)
+        except (DraftCheckpointError, ValueError) as e:
+            log.warning("cannot start from the serving draft: %s; a new draft instead", e)
+            return self._new_draft(serving_cfg)
+        if meta.counters.get("step", 1) == 0:
+            return self._new_draft(serving_cfg)  # never trained: a vocabulary from the buffer
+        draft = Eagle3Draft(DraftConfig(**{**serving_cfg.to_dict(), "dtype": "float32"}))
+        draft.load_state_dict(served.state_dict(), strict=True)
+        log.info("no checkpoint in %s: starting from the serving draft v%d (%s)",
+                 self.cfg.out, meta.version, path)  # fmt: skip
+        return draft
+
     def _new_draft(self, serving_cfg: DraftConfig | None) -> Eagle3Draft:
         t = self.cfg.train
         if serving_cfg is not None:
@@ -317,7 +348,7 @@ class OnlineLearner:
 
     def _sync_version(self) -> None:
         try:
-            server = self.publisher.serving_version() or 0
+            server = self.publisher.newest_version() or 0
         except (CodraftConnectionError, CodraftHTTPError):
             return
         if self.trainer and self.trainer.draft_version < server:
