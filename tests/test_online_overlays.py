@@ -41,6 +41,7 @@ from codraft.server.serve import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_k8s import OVERLAYS, manifests, pod, render  # noqa: E402
+from test_online_e2e import _stop  # noqa: E402
 from test_online_parallel import _kill_group  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -111,12 +112,7 @@ def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
                "target": tiny_llama_dir}  # fmt: skip
     finally:
         load.stop()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
         log.close()
 
 
