@@ -71,16 +71,11 @@ class StagedRows:
         copy, so copy out what is kept before the next `to_host` of the same stage."""
         if self.ready is None:
             return
-        if self._packed is None:
-            self.ids, self.positions, self.taps, self.last = self.stage.copy(
-                self.ready, (self.ids, self.positions, self.taps, self.last)
-            )
-        else:
-            ints, feats = self.stage.copy(self.ready, self._packed)
-            width = self.taps.shape[-1]
-            self.ids, self.positions = ints[0].to(torch.int32), ints[1]
-            self.taps, self.last = feats[:, :width], feats[:, width:]
-            self._packed = None
+        ints, feats = self.stage.copy(self.ready, self._packed)  # set by packed() with ready
+        width = self.taps.shape[-1]
+        self.ids, self.positions = ints[0].to(torch.int32), ints[1]
+        self.taps, self.last = feats[:, :width], feats[:, width:]
+        self._packed = None
         self.ready = None
         if self._release is not None:
             self._release()
