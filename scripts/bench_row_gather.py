@@ -42,11 +42,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def load_row_copy() -> Any:
     try:
         from codraft.server import row_copy
-    except ImportError:  # the GPU machine before install: the module has no codraft imports
-        spec = importlib.util.spec_from_file_location("row_copy", ROOT / "server" / "row_copy.py")
-        row_copy = importlib.util.module_from_spec(spec)
-        sys.modules["row_copy"] = row_copy  # dataclasses look their module up
-        spec.loader.exec_module(row_copy)
+    except ImportError:  # the GPU machine before install: load the two files it needs
+        for name in ("device_ring", "row_copy"):  # row_copy imports device_ring
+            full = f"codraft.server.{name}"
+            spec = importlib.util.spec_from_file_location(full, ROOT / "server" / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[full] = module  # for the import, and dataclasses look their module up
+            spec.loader.exec_module(module)
+        row_copy = sys.modules["codraft.server.row_copy"]
     return row_copy
 
 

@@ -32,12 +32,17 @@ class EngineConfig:
     tap_queue_size: int = 256  # messages waiting for the publisher thread
     tap_hwm: int = 64  # ZeroMQ send high-water mark (messages)
     tap_linger_ms: int = 1000  # how long close() may spend flushing
-    # device memory for gathered rows the capture thread has not copied off yet (MiB); past it
-    # a step's rows are skipped and counted (steps_skipped)
-    tap_device_mb: int = 2048
+    # device memory for gathered rows not yet copied to the host (MiB); past it a step's rows
+    # are skipped and counted (steps_skipped). With tap_device_ring it is the ring's size,
+    # allocated when the tap process starts
+    tap_device_mb: int = 1024
     # where tap messages are assembled and sent: "process" (a process of their own, so that
     # they never wait on, nor hold up, the engine's interpreter lock) or "thread" (the engine's)
     tap_assembly: str = "process"
+    # with tap_assembly "process": the rows reach the tap process in a ring on the engine's
+    # device, shared once (CUDA IPC on a GPU, shared memory on the CPU); False: copied to the
+    # host in the engine's process and written into a pipe
+    tap_device_ring: bool = True
     # --- automatic rollback of a new draft whose acceptance collapses
     auto_rollback: bool = True
     rollback_window: int = 64  # verifications (one request's drafts checked in one step)
@@ -52,6 +57,9 @@ class EngineConfig:
             raise ValueError(
                 f"tap_assembly must be 'process' or 'thread', got {self.tap_assembly!r}"
             )
+        for name in ("tap_device_ring", "auto_rollback"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_sample_rate(self.tap_sample_rate)
         if self.tap_endpoint is not None:
             check_endpoint(self.tap_endpoint)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from codraft.server.device_ring import DeviceRing
 from codraft.server.row_copy import RowCopier, StagedRows
 
 log = logging.getLogger(__name__)
@@ -191,12 +192,13 @@ class RunnerHooks:
         listener: StepListener,
         wire_dtype: torch.dtype,
         max_device_bytes: int,
+        ring: DeviceRing | None = None,
     ) -> None:
         self.runner = runner
         self.kind = runner_kind(runner)
         self.tap_layers = tuple(tap_layers)
         self.listener = listener
-        self.copier = RowCopier(runner.device, wire_dtype, max_device_bytes)
+        self.copier = RowCopier(runner.device, wire_dtype, max_device_bytes, ring)
         self.errors = 0
         self.times = HookTimes()
         self._orig: dict[str, Callable] = {}

@@ -5,7 +5,9 @@ graphs they are the graphs' static output buffers, and `input_ids`/`positions` a
 runner's persistent input buffers. So the rows codraft keeps are gathered at once, on the
 engine's own stream, into fresh device tensors (the tap layers side by side, the final hidden
 state, both in the wire dtype, the ids and the positions), and an event is recorded
-after the gather. That is all the engine step does: no host memory, no copy to the host, no
+after the gather (with the tap process, into a slot of the ring it shares:
+codraft.server.device_ring, which copies the rows off in that process). That is all the
+engine step does: no host memory, no copy to the host, no
 wait. The capture thread (codraft.server.capture) calls `StagedRows.to_host()`, which copies on a
 side stream of its own that waits for the event, into pinned host buffers that the capture
 thread reuses step after step (`HostStage`: a DMA, no staging through pageable memory, no
@@ -27,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from codraft.server.device_ring import DeviceRing, aligned, slot_bytes
+
 
 @dataclass
 class StagedRows:
@@ -45,6 +49,7 @@ class StagedRows:
     last: torch.Tensor
     ready: Any = None  # a CUDA event recorded after the gather, or None (on the host already)
     stage: HostStage | None = None  # where to_host copies to
+    slot: Any = None  # the DeviceRing slot holding the rows (codraft.server.device_ring)
     _release: Any = field(default=None, repr=False)
     _packed: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
@@ -119,8 +124,17 @@ def row_index(ranges: list[tuple[int, int]]) -> np.ndarray:
 class RowCopier:
     """Gathers rows on the engine's stream; the capture thread copies them to the host."""
 
-    def __init__(self, device: torch.device, wire_dtype: torch.dtype, max_bytes: int) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        wire_dtype: torch.dtype,
+        max_bytes: int,
+        ring: DeviceRing | None = None,
+    ) -> None:
+        """`ring`: where the rows go once the tap process has it (its slots bound the device
+        memory instead of `max_bytes`)."""
         self.device = torch.device(device)
+        self.ring = ring
         self.wire_dtype = wire_dtype
         self.cuda = self.device.type == "cuda"
         self.stage = HostStage(self.device) if self.cuda else None  # the capture thread's
@@ -142,29 +156,60 @@ class RowCopier:
         when the rows would exceed the device memory bound."""
         rows = sum(e - s for s, e in ranges)
         width = sum(t.shape[-1] for t in taps) + hidden.shape[-1]
+        ring = self.ring if self.ring is not None and self.ring.usable else None
+        ints = feats = slot = None
         nbytes = rows * (width * self.wire_dtype.itemsize + 16)
-        if self.cuda:
+        if ring is not None:
+            slot = ring.alloc(slot_bytes(rows, width, self.wire_dtype))
+            if slot is None:
+                self.steps_skipped += 1
+                return None
+            ints = ring.view(slot, 0, torch.int64, (2, rows))
+            feats = ring.view(slot, aligned(16 * rows), self.wire_dtype, (rows, width))
+        elif self.cuda:
             with self._lock:
                 if self.held_bytes + nbytes > self.max_bytes:
                     self.steps_skipped += 1
                     return None
                 self.held_bytes += nbytes
+        parts = [*taps, hidden]
+        same = all(t.dtype == self.wire_dtype for t in parts)
         # Two launches on the engine's stream (each torch call also hands the interpreter
         # lock over, and the engine thread then waits to get it back): the ids and positions
-        # stacked (int64), the taps and the final state side by side.
+        # stacked (int64), the taps and the final state side by side; into the ring's slot
+        # when there is one.
         if len(ranges) == 1:
             s, e = ranges[0]
-            ints = torch.stack((input_ids[s:e], positions[s:e]))
-            feats = torch.cat([*(t[s:e] for t in taps), hidden[s:e]], dim=-1)
+            pair, parts = (input_ids[s:e], positions[s:e]), [t[s:e] for t in parts]
+            if ints is None:
+                ints = torch.stack(pair)
+            else:
+                torch.stack(pair, out=ints)
+            if feats is None:
+                feats = torch.cat(parts, dim=-1)
+            elif same:
+                torch.cat(parts, dim=-1, out=feats)
+            else:
+                feats.copy_(torch.cat(parts, dim=-1))
         else:
             index = torch.from_numpy(row_index(ranges))
             if self.cuda:
                 index = index.pin_memory().to(self.device, non_blocking=True)
-            ints = torch.stack((input_ids, positions))[:, index]
-            feats = torch.cat([*taps, hidden], dim=-1).index_select(0, index)
+            both = torch.stack((input_ids, positions))
+            side = torch.cat(parts, dim=-1)
+            if ints is None:
+                ints, feats = both[:, index], side.index_select(0, index)
+            else:
+                torch.index_select(both, 1, index, out=ints)
+                torch.index_select(side if same else side.to(self.wire_dtype), 0, index, out=feats)
         if feats.dtype != self.wire_dtype:
             feats = feats.to(self.wire_dtype)
         tap_width = feats.shape[-1] - hidden.shape[-1]
+        if slot is not None:
+            staged = StagedRows.packed(ints, feats, tap_width, ring.record(slot), self.stage)
+            staged.slot = slot
+            staged._release = weakref.finalize(staged, ring.release, slot)
+            return staged
         if not self.cuda:
             return StagedRows.packed(ints, feats, tap_width)
         ready = torch.cuda.Event(blocking=True)  # the waiting thread sleeps, never spins

@@ -9,10 +9,13 @@ of that (docs/benchmarks.md). So with `EngineConfig.tap_assembly = "process"` (t
 engine's process keeps only what must be there:
 
 * bookkeeping in step order (codraft.server.capture.Capture), unchanged;
-* the feed thread (`TapProcess`): per step, the device-to-host copy into pinned buffers
-  (codraft.server.row_copy), one copy of the step's final rows into a reused host buffer, and
-  one write of them, with a small msgpack header, into a pipe to the tap process. Its lock
-  hand-overs are a few per step instead of a few per request and message.
+* the feed thread (`TapProcess`): per step, one write of a small msgpack header into a pipe to
+  the tap process, saying where in the device ring (codraft.server.device_ring) the step's
+  rows lie; the tap process copies them off the device itself. Without the ring (not shared,
+  or `tap_device_ring` off) the feed thread copies the rows to pinned host buffers
+  (codraft.server.row_copy), then the step's final rows once into a reused host buffer, and
+  writes them after the header. Its lock hand-overs are a few per step instead of a few per
+  request and message.
 
 The tap process (`python -m codraft.server.tap_process`, started by `TapProcess`) runs the
 same Assembler (codraft.server.capture: rows by position, chunks, the token-id check against
@@ -22,7 +25,8 @@ its prompt, its outputs (sent with each operation that needs them: only what is 
 policy version and mode.
 
 Wire between the two (two pipes, never a network): frames of a 4-byte little-endian header
-length, a msgpack map, an 8-byte payload length and the payload (raw rows, or nothing). No
+length, a msgpack map, an 8-byte payload length and the payload (raw rows, or nothing); the
+ring's CUDA IPC handles travel once, in the first frame, and its memfd is inherited. No
 pickle. The tap process exits when its input pipe closes (the engine's process ended, or
 closed the tap); if it dies, the feed thread logs it once, and the engine serves on with the tap
 silent (counted in `tap_process_alive`).
@@ -60,7 +64,9 @@ from codraft.server.capture import (
     _Rows,
     step_rows,
 )
+from codraft.server.device_ring import DeviceRing, RingReader
 from codraft.server.publisher import PublisherStats, TapPublisher, check_connectable
+from codraft.server.row_copy import StagedRows
 from codraft.tap.message import DTYPES
 
 log = logging.getLogger(__name__)
@@ -138,8 +144,12 @@ class TapProcess:
         draft_version: Callable[[], int],
         max_tokens: int,
         stats: CaptureStats,
+        ring: DeviceRing | None = None,
     ) -> None:
+        """`ring`: on CUDA, the device buffer the rows reach the tap process through (None, or
+        not shareable: through the pipe)."""
         self.target = target
+        self.ring = ring
         self.draft_version = draft_version
         self.stats = stats
         self.alive = True
@@ -166,17 +176,22 @@ class TapProcess:
             to_child_r, self._out = os.pipe()
             from_child, to_parent_w = os.pipe()
             _grow_pipe(self._out)
+            init = {"op": "init", "max_tokens": self._max_tokens, **_target_wire(self.target)}
+            fds = [to_child_r, to_parent_w]
+            wire = self.ring.export() if self.ring is not None else None
+            if wire is not None:
+                init.update(ring=wire, ring_fd=self.ring.fd)
+                fds.append(self.ring.fd)
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "codraft.server.tap_process",
                  str(to_child_r), str(to_parent_w)],
-                pass_fds=(to_child_r, to_parent_w),
+                pass_fds=fds,
                 stdin=subprocess.DEVNULL,
                 close_fds=True,
             )  # fmt: skip
             os.close(to_child_r)
             os.close(to_parent_w)
             self._in = os.fdopen(from_child, "rb")
-            init = {"op": "init", "max_tokens": self._max_tokens, **_target_wire(self.target)}
             write_frame(self._out, init)
             self._feed = threading.Thread(target=self._run_feed, name="codraft-tap-feed",
                                           daemon=True)  # fmt: skip
@@ -304,6 +319,9 @@ class TapProcess:
 
     def _send_rows(self, op: _Rows) -> None:
         rows = op.rows
+        if rows.slot is not None:  # on the device, in the ring: send where, not what
+            self._send_slot(op)
+            return
         rows.to_host()
         m = sum(n for _, _, n in op.items)
         width, hidden = rows.taps.shape[-1], rows.last.shape[-1]
@@ -323,7 +341,29 @@ class TapProcess:
                   "out": outs, "draft": self.draft_version()}  # fmt: skip
         write_frame(self._out, header, [memoryview(x) for x in (got.ids, got.taps, got.last)])
 
+    def _send_slot(self, op: _Rows) -> None:
+        rows = op.rows
+        items, outs = [], []
+        for state, offset, n in op.items:
+            key, new = self._outputs(state)
+            items.append((key, offset, n, state.done))
+            if new:
+                outs.append((key, new))
+        width, hidden = rows.taps.shape[-1], rows.last.shape[-1]
+        header = {"op": "rows", "slot": rows.slot.wire(), "m": rows.taps.shape[0],
+                  "width": width, "hidden": hidden, "items": items, "out": outs,
+                  "draft": self.draft_version()}  # fmt: skip
+        self.ring.sent(rows.slot)  # before the tap process can have copied it
+        write_frame(self._out, header)
+
+    @property
+    def rows_via(self) -> str:
+        """How a step's rows reach the tap process: "device ring" or "pipe"."""
+        return "device ring" if self.ring is not None and self.ring.usable else "pipe"
+
     def _died(self, why: str) -> None:
+        if self.ring is not None:  # its slots will never be copied: gather fresh tensors
+            self.ring.disable("the tap process ended", quiet=self._closing)
         if self.alive:
             self.alive = False
             if not self._closing:
@@ -339,6 +379,10 @@ class TapProcess:
                 if frame is None:
                     break
                 header, _ = frame
+                if "ring_failed" in header and self.ring is not None:
+                    self.ring.disable(header["ring_failed"])
+                elif header.get("ring_opened") and self.ring is not None:
+                    self.ring.opened = True
                 self._take_stats(header.get("stats"))
                 seq = header.get("seq")
                 if seq is not None:
@@ -425,6 +469,15 @@ class _Child:
         self._bits = _BITS[torch.empty(0, dtype=self.target.dtype).element_size()]
         self._write = threading.Lock()
         self.done = threading.Event()
+        self.ring: RingReader | None = None
+        if "ring" in init:
+            try:
+                self.ring = RingReader(init["ring"], int(init["ring_fd"]))
+                self.reply({"ring_opened": True})
+            except Exception as e:
+                why = f"the tap process could not open the device ring ({type(e).__name__}: {e})"
+                log.warning("%s", why)
+                self.reply({"ring_failed": why})
         threading.Thread(target=self._report, name="codraft-tap-stats", daemon=True).start()
 
     def _emit(self, msg: Any) -> None:
@@ -455,8 +508,30 @@ class _Child:
             if st is not None:
                 st.outputs.extend(new)
 
+    def _slot_rows(self, h: dict) -> None:
+        """A step's rows in the device ring: copied to the host here, then as from the pipe."""
+        self.draft = h["draft"]
+        self._outputs(h["out"])
+        items = []
+        for k, offset, n, done in h["items"]:
+            st = self.states.get(k)
+            if st is not None:
+                st.done = st.done or done  # no chunk of a request that ends here
+                items.append((st, offset, n))
+        if self.ring is None:  # the engine learns this from ring_failed and stops using it
+            for st, _, _ in items:
+                self.asm.apply(_Broken(st, "the tap process could not open the device ring"))
+            return
+        width = h["width"]
+        ints, feats = self.ring.take(h["slot"], h["m"], width + h["hidden"], self.target.dtype)
+        rows = StagedRows(ints[0].to(torch.int32), ints[1], feats[:, :width], feats[:, width:])
+        self.asm.store(step_rows(_Rows(rows, items)))
+
     def handle(self, h: dict, f: BinaryIO, size: int) -> None:
         op = h["op"]
+        if op == "rows" and "slot" in h:
+            self._slot_rows(h)
+            return
         if op == "rows":
             m, width, hidden = h["m"], h["width"], h["hidden"]
             ids = np.empty(m, np.int32)

@@ -80,6 +80,7 @@ from codraft.server import hooks
 from codraft.server.acceptance import Acceptance, should_roll_back
 from codraft.server.capture import Capture, StepContext, TapTarget
 from codraft.server.compat import require_supported
+from codraft.server.device_ring import DeviceRing
 from codraft.server.draft_swap import DraftSwapper
 from codraft.server.engine_config import EngineConfig, check_endpoint, check_sample_rate
 from codraft.server.hooks import RunnerHooks, StepListener, StepRecord
@@ -172,6 +173,13 @@ class CodraftEngine(StepListener):
         wire = self.cfg.tap_dtype or {v: k for k, v in DTYPES.items()}.get(
             model_config.dtype, "bfloat16"
         )
+        in_process = self.cfg.tap_assembly == "process" and self.is_sender
+        # the rows reach the tap process on the device (codraft.server.device_ring)
+        ring = (
+            DeviceRing(self.runner.device, self.cfg.tap_device_mb << 20)
+            if in_process and self.cfg.tap_device_ring
+            else None
+        )
         self.capture = Capture(
             TapTarget(
                 tap_layers=taps,
@@ -186,7 +194,7 @@ class CodraftEngine(StepListener):
             on_finished=self._finished,
             per_step=self._account,
             max_tokens=self.cfg.tap_max_tokens,
-            assembler=TapProcess if self.cfg.tap_assembly == "process" and self.is_sender else None,
+            assembler=functools.partial(TapProcess, ring=ring) if in_process else None,
         )
         try:
             self._apply_tap()
@@ -194,7 +202,7 @@ class CodraftEngine(StepListener):
             log.error("codraft: tap left off: %s", e)
         # Last, once nothing above can fail: a failed start must not leave hooks behind.
         self.hooks = RunnerHooks(
-            self.runner, taps, self, DTYPES[wire], self.cfg.tap_device_mb << 20
+            self.runner, taps, self, DTYPES[wire], self.cfg.tap_device_mb << 20, ring
         )
         try:
             self.hooks.install()
@@ -250,6 +258,12 @@ class CodraftEngine(StepListener):
         if not isinstance(asm, TapProcess):
             return "thread"
         return "process" if asm.alive else "process (ended)"
+
+    def _rows_via(self) -> str:
+        """How a step's rows reach the assembler: "device ring" or "pipe" (the tap process),
+        "host copy" (assembled here)."""
+        asm = self.capture.assembler
+        return asm.rows_via if isinstance(asm, TapProcess) else "host copy"
 
     def close_publisher(self) -> None:
         if self.publisher is not None:
@@ -495,6 +509,7 @@ class CodraftEngine(StepListener):
                 "capture_queue_depth": self.capture.assembler.depth(),
                 "hook_errors": self.hooks.errors,
                 "assembly": self._assembly(),
+                "rows_via": self._rows_via(),
             },
             "hooks": {"runner": self.hooks.kind, **self.hooks.times.to_dict()},
             "acceptance": self.acceptance.snapshot(),

@@ -550,6 +550,8 @@ def test_capture_is_exact(run: EngineRun) -> None:
     assert tap["hook_errors"] == 0 and tap["requests_inconsistent"] == 0, tap
     assert tap["requests_incomplete"] == 0 and tap["steps_lost"] == 0, tap
     assert tap["assembly"] == "process", tap  # EngineConfig.tap_assembly's default
+    # ... with the rows in the shared ring (EngineConfig.tap_device_ring), none skipped
+    assert tap["rows_via"] == "device ring" and tap["steps_skipped"] == 0, tap
 
 
 @pytestmark_vllm

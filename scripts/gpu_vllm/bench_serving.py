@@ -87,6 +87,7 @@ class ArmSpec:
     tap: bool = False  # codraft: the tap on into a receiver process
     tap_mode: str = "full"  # codraft, tap on: "full" (features) or "ids" (token ids only)
     tap_assembly: str = "process"  # codraft: EngineConfig.tap_assembly ("process" or "thread")
+    tap_device_ring: bool = True  # codraft: EngineConfig.tap_device_ring
     repeats: int = 1  # timed runs per batch; the row reported is the median run's
     in_process: bool = False  # the engine core in this process: every batch scheduled whole
     cuda_graphs: bool = True  # vLLM's default torch.compile + CUDA graphs (else eager)
@@ -254,7 +255,8 @@ def engine_kwargs_for(spec: ArmSpec, tap_endpoint: str | None) -> dict[str, Any]
         kwargs.update(dtype=spec.dtype, max_model_len=spec.max_model_len)
         from codraft.server.engine_config import ADDITIONAL_CONFIG_KEY
 
-        kwargs["additional_config"][ADDITIONAL_CONFIG_KEY]["tap_assembly"] = spec.tap_assembly
+        engine = kwargs["additional_config"][ADDITIONAL_CONFIG_KEY]
+        engine.update(tap_assembly=spec.tap_assembly, tap_device_ring=spec.tap_device_ring)
     elif spec.draft:
         kwargs["speculative_config"] = {
             "method": "eagle3",
