@@ -218,6 +218,7 @@ class RingReader:
         self.events: list[Any] = []
         self.stage: HostStage | None = None
         if cuda:
+            torch.cuda.init()
             storage = torch.UntypedStorage._new_shared_cuda(*wire["storage"])
             device = torch.device("cuda", int(wire["storage"][0]))
             buf = torch.empty(0, dtype=torch.uint8, device=device)

@@ -295,6 +295,7 @@ def check_swap(m: dict, args: argparse.Namespace, work: Path) -> dict:
         al["start"] < 1.5 and al["swap"] > K and al["rollback"] < 1.5 and al["two-phase swap"] > K
     )
     capture = capture_error({0: m["constant"], 1: m["target"]}, run["messages"])
+    capture["rows_via"] = (run["stats"].get("tap") or {}).get("rows_via")  # "device ring"
     report = {
         "acceptance_length": al,
         "draft_versions": [p["draft_version"] for p in run["phases"]],
