@@ -27,7 +27,11 @@ process has copied it (its number is at most the counter), or at once when its r
 sent (the capture kept none of them). When the ring is full a step's rows are not gathered, and
 the step is counted (`steps_skipped`): its requests go out incomplete, never wrong. When the
 ring cannot be shared (`export` fails, or the tap process cannot open it) the rows travel
-through the pipe instead (`EngineConfig.tap_device_ring = False` asks for that).
+through the pipe instead.
+
+Measured on an H200 (docs/benchmarks.md) the ring did not pay: tokens/s 2-4% below the pipe's
+in six of six same-run comparisons, plausibly because the tap process's CUDA context then
+time-shares the GPU with the engine's. So it is off by default (`EngineConfig.tap_device_ring`).
 """
 
 from __future__ import annotations

@@ -35,14 +35,15 @@ class EngineConfig:
     # device memory for gathered rows not yet copied to the host (MiB); past it a step's rows
     # are skipped and counted (steps_skipped). With tap_device_ring it is the ring's size,
     # allocated when the tap process starts
-    tap_device_mb: int = 1024
+    tap_device_mb: int = 2048
     # where tap messages are assembled and sent: "process" (a process of their own, so that
     # they never wait on, nor hold up, the engine's interpreter lock) or "thread" (the engine's)
     tap_assembly: str = "process"
-    # with tap_assembly "process": the rows reach the tap process in a ring on the engine's
-    # device, shared once (CUDA IPC on a GPU, shared memory on the CPU); False: copied to the
-    # host in the engine's process and written into a pipe
-    tap_device_ring: bool = True
+    # with tap_assembly "process": True hands the rows to the tap process in a ring on the
+    # engine's device, shared once (CUDA IPC on a GPU, shared memory on the CPU), which copies
+    # them off; False (measured faster on an H200: docs/benchmarks.md) copies them to the host
+    # in the engine's process and writes them into a pipe
+    tap_device_ring: bool = False
     # --- automatic rollback of a new draft whose acceptance collapses
     auto_rollback: bool = True
     rollback_window: int = 64  # verifications (one request's drafts checked in one step)

@@ -5,9 +5,9 @@ graphs they are the graphs' static output buffers, and `input_ids`/`positions` a
 runner's persistent input buffers. So the rows codraft keeps are gathered at once, on the
 engine's own stream, into fresh device tensors (the tap layers side by side, the final hidden
 state, both in the wire dtype, the ids and the positions), and an event is recorded
-after the gather (with the tap process, into a slot of the ring it shares:
-codraft.server.device_ring, which copies the rows off in that process). That is all the
-engine step does: no host memory, no copy to the host, no
+after the gather (with `EngineConfig.tap_device_ring`, into a slot of a ring shared with the
+tap process: codraft.server.device_ring, which copies the rows off in that process). That is
+all the engine step does: no host memory, no copy to the host, no
 wait. The capture thread (codraft.server.capture) calls `StagedRows.to_host()`, which copies on a
 side stream of its own that waits for the event, into pinned host buffers that the capture
 thread reuses step after step (`HostStage`: a DMA, no staging through pageable memory, no

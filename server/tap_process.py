@@ -9,13 +9,12 @@ of that (docs/benchmarks.md). So with `EngineConfig.tap_assembly = "process"` (t
 engine's process keeps only what must be there:
 
 * bookkeeping in step order (codraft.server.capture.Capture), unchanged;
-* the feed thread (`TapProcess`): per step, one write of a small msgpack header into a pipe to
-  the tap process, saying where in the device ring (codraft.server.device_ring) the step's
-  rows lie; the tap process copies them off the device itself. Without the ring (not shared,
-  or `tap_device_ring` off) the feed thread copies the rows to pinned host buffers
-  (codraft.server.row_copy), then the step's final rows once into a reused host buffer, and
-  writes them after the header. Its lock hand-overs are a few per step instead of a few per
-  request and message.
+* the feed thread (`TapProcess`): per step, the device-to-host copy into pinned buffers
+  (codraft.server.row_copy), one copy of the step's final rows into a reused host buffer, and
+  one write of them, with a small msgpack header, into a pipe to the tap process. Its lock
+  hand-overs are a few per step instead of a few per request and message. With
+  `EngineConfig.tap_device_ring` the header says instead where the rows lie in a device ring
+  (codraft.server.device_ring) and the tap process copies them off the device itself.
 
 The tap process (`python -m codraft.server.tap_process`, started by `TapProcess`) runs the
 same Assembler (codraft.server.capture: rows by position, chunks, the token-id check against

@@ -297,6 +297,7 @@ def _drive(plan: dict) -> dict:
     res["base2"] = gen(base2, plan["prompts"], params)
 
     engine_cfg = EngineConfig(
+        tap_device_ring=plan["mode"] == "v1",  # one mode hands the rows over in the ring
         tap_endpoint=plan["endpoint"],
         tap_max_tokens=16,
         tap_hwm=16,
@@ -550,8 +551,9 @@ def test_capture_is_exact(run: EngineRun) -> None:
     assert tap["hook_errors"] == 0 and tap["requests_inconsistent"] == 0, tap
     assert tap["requests_incomplete"] == 0 and tap["steps_lost"] == 0, tap
     assert tap["assembly"] == "process", tap  # EngineConfig.tap_assembly's default
-    # ... with the rows in the shared ring (EngineConfig.tap_device_ring), none skipped
-    assert tap["rows_via"] == "device ring" and tap["steps_skipped"] == 0, tap
+    # ... the rows through the pipe, or (the v1 mode) the shared ring; none skipped
+    assert tap["rows_via"] == ("device ring" if run.plan["mode"] == "v1" else "pipe"), tap
+    assert tap["steps_skipped"] == 0, tap
 
 
 @pytestmark_vllm

@@ -22,9 +22,9 @@ an input:
   bookkeeping and messages, token ids only: no features gathered, copied or sent, which
   separates what the features cost from what the rest of the tap costs); "on-thread" is the
   tap on with its messages assembled in the engine's process (`tap_assembly = "thread"`) rather
-  than the tap process; "on-pipe" is the tap on with the rows copied to the host in the
-  engine's process and written into the tap process's pipe (`tap_device_ring = false`) rather
-  than read by the tap process from the device ring. `--codraft-arms none` leaves them out,
+  than the tap process; "on-ring" is the tap on with the rows read by the tap process from the
+  device ring (`tap_device_ring = true`) rather than copied to the host in the engine's process
+  and written into the tap process's pipe. `--codraft-arms none` leaves them out,
   `--no-base` the first arm.
 * every batch runs `--repeats` times (default 5) in the arm's engine; the row reported is the
   median run's, with every run's tokens/s alongside (`runs_tokens_per_s`).
@@ -56,7 +56,7 @@ from bench_serving import (  # noqa: E402
     strip_ids,
 )
 
-CODRAFT_ARMS = ("off", "on", "ids", "on-thread", "on-pipe")  # the tap settings of codraft's arms
+CODRAFT_ARMS = ("off", "on", "ids", "on-thread", "on-ring")  # the tap settings of codraft's arms
 # Llama-3.1-8B's geometry (rope scaling left out: it does not change the cost at 1K tokens)
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -215,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         default="off,on,ids",
         help="codraft serve's engine: tap off, on (full features), ids (token ids only), "
         "on-thread (full features, assembled in the engine's process: tap_assembly thread), "
-        "on-pipe (full features, the tap process, rows copied to the host in the engine's "
-        "process and sent through the pipe: tap_device_ring false)",
+        "on-ring (full features, the tap process, which reads the rows from the device ring: "
+        "tap_device_ring true)",
     )
     p.add_argument("--repeats", type=int, default=5, help="timed runs per batch (median kept)")
     p.add_argument("--no-base", action="store_true", help="leave out the no-speculation arm")
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             mode = "ids" if tap == "ids" else "full"
             assembly = "thread" if tap == "on-thread" else "process"
             arms.append(ArmSpec(name, codraft=True, tap=tap != "off", tap_mode=mode,
-                                tap_assembly=assembly, tap_device_ring=tap != "on-pipe",
+                                tap_assembly=assembly, tap_device_ring=tap == "on-ring",
                                 **spec))  # fmt: skip
     import torch
 

@@ -87,7 +87,7 @@ class ArmSpec:
     tap: bool = False  # codraft: the tap on into a receiver process
     tap_mode: str = "full"  # codraft, tap on: "full" (features) or "ids" (token ids only)
     tap_assembly: str = "process"  # codraft: EngineConfig.tap_assembly ("process" or "thread")
-    tap_device_ring: bool = True  # codraft: EngineConfig.tap_device_ring
+    tap_device_ring: bool = False  # codraft: EngineConfig.tap_device_ring
     repeats: int = 1  # timed runs per batch; the row reported is the median run's
     in_process: bool = False  # the engine core in this process: every batch scheduled whole
     cuda_graphs: bool = True  # vLLM's default torch.compile + CUDA graphs (else eager)
