@@ -1,4 +1,5 @@
-"""Memory model of the TTT attention per GPU under context parallelism (docs/context_parallel.md).
+"""Memory model of the TTT attention per GPU under context parallelism (docs/context_parallel.md),
+and of everything the whole TTT step keeps for backward (`step_saved_bytes_per_token`).
 
 Bytes per GPU for K passes over one batch of T tokens split over CP ranks (``t = T / CP`` local
 tokens), heads Hq, kv heads Hkv, head dim D, activations of ``b`` bytes (bf16: 2):
@@ -73,6 +74,80 @@ def dense_mask_bytes(tokens: int, cp: int, passes: int) -> int:
     return passes * local_tokens(tokens, cp) * passes * tokens
 
 
+# ------------------------------------------------------------------------- the whole step
+@dataclass(frozen=True)
+class StepShape:
+    """The draft's shape for the whole TTT step. Default: the draft of Llama-3.1-8B (hidden
+    4,096, MLP 14,336, 32 / 8 heads of 128, three taps, a 32,000-token draft vocab)."""
+
+    hidden: int = 4096
+    intermediate: int = 14336
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    taps_width: int = 3 * 4096
+    draft_vocab: int = 32000
+
+
+def step_saved_bytes_per_token(
+    passes: int, s: StepShape = StepShape(), *, autocast: bool = True, recompute_mlp: bool = False
+) -> int:
+    """Bytes per local token that the TTT step (codraft.learner.ttt, as the Trainer runs it)
+    keeps for backward once its K passes and their losses are computed: what grows with the
+    tokens (the bf16 copies of the weights that autocast keeps are a constant, left out).
+
+    `autocast`: the GPU trainer's bf16 autocast over fp32 weights (activations `a` = 2 bytes);
+    False: fp32 throughout (a = 4). Per pass, read off the step's autograd graph:
+
+    * RMSNorm of an input that needs grad: its fp32 copy, 1/rms (4 bytes), the normed value in
+      the input's dtype: ``4H + 4 + aH``; of the embeddings (no grad): only the fp32 normed
+      value, ``4H``;
+    * q, k, v projections: their input ``[2H]``, as one fp32 tensor, or under autocast cast
+      to bf16 once per projection: ``3 x 2H a``; RoPE's cos and sin: ``2 D a``;
+    * attention (codraft.learner.attention): q and its output ``2 Hq D a``, fp32 lse ``4 Hq``,
+      the pass's k and v ``2 Hkv D a`` (the figure `saved_bytes` models, with the CP shards);
+    * o_proj: nothing new (its input is the attention output, kept already);
+    * the post-attention RMSNorm ``4H + 4 + aH`` and the MLP: its input (fp32 once, or one
+      bf16 cast for each of gate and up: ``2 H a``), gate, silu, up and their product ``4 I a``;
+      with `recompute_mlp` those two are replaced by the residual (``H a`` under autocast; in
+      fp32 it is the tensor the first norm keeps);
+    * the loss (codraft.learner.chunked_loss: logits never kept): the valid rows' index (8), the
+      final RMSNorm ``4H + 4 + aH``, the normed rows in fp32 ``4H`` and the teacher's fp32
+      probabilities ``4 V_draft``;
+
+    and once per step, under autocast, the taps cast to bf16 for `fc`: ``taps_width a``."""
+    a, H, inter = (2 if autocast else 4), s.hidden, s.intermediate
+    norm = 4 * H + 4 + a * H
+    qkv = (3 if autocast else 1) * 2 * H * a
+    attention = (2 * s.heads + 2 * s.kv_heads) * s.head_dim * a + 4 * s.heads
+    mlp = norm + (2 if autocast else 1) * H * a + 4 * inter * a
+    if recompute_mlp:
+        mlp = H * a if autocast else 0
+    loss = 8 + norm + 4 * H + 4 * s.draft_vocab
+    per_pass = 4 * H + norm + qkv + 2 * s.head_dim * a + attention + mlp + loss
+    return passes * per_pass + (s.taps_width * a if autocast else 0)
+
+
+def step_table(
+    tokens: tuple[int, ...] = (16384, 65536, 131072), passes: int = 3, s: StepShape = StepShape()
+) -> str:
+    """Markdown: what one GPU keeps for backward in the TTT step (GiB, cp = 1, bf16 autocast),
+    and the attention's part of it (`saved_bytes`)."""
+    attn = AttnShape(s.heads, s.kv_heads, s.head_dim, 2)
+    full = step_saved_bytes_per_token(passes, s)
+    lean = step_saved_bytes_per_token(passes, s, recompute_mlp=True)
+    rows = [
+        "| tokens | kept for backward | with recompute_mlp | of which attention |",
+        "| --: | --: | --: | --: |",
+    ]
+    for t in tokens:
+        rows.append(
+            f"| {t} | {t * full / GIB:.1f} | {t * lean / GIB:.1f} "
+            f"| {saved_bytes(t, 1, passes, attn) / GIB:.1f} |"
+        )
+    return "\n".join(rows)
+
+
 def table(tokens: int = 262144, passes: int = 3, cps: range = range(1, 9)) -> str:
     """The markdown table of docs/context_parallel.md (GiB per GPU)."""
     rows = [
@@ -92,3 +167,5 @@ def table(tokens: int = 262144, passes: int = 3, cps: range = range(1, 9)) -> st
 
 if __name__ == "__main__":
     print(table())
+    print()
+    print(step_table())
