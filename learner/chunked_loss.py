@@ -4,7 +4,8 @@ A TTT pass's loss needs the draft-vocab logits of every valid anchor, [R, Vd], a
 would keep them (with their fp32 log-softmax) for backward, K times a step: at 16K tokens and a
 32K draft vocab that is most of the step's memory. `cross_entropy` computes lm_head, the
 log-softmax and the loss `chunk` rows at a time inside one autograd Function that keeps only
-its inputs (the normed hidden states, lm_head's weight, the targets); backward computes each
+its inputs (the normed hidden states, lm_head's weight, the targets: with `index`, the rows
+of a targets tensor the caller holds anyway, so no copy of them); backward computes each
 chunk's logits again and from them the gradients of the hidden states and of the weight:
 
     d/dz [ -sum_v t_v log softmax(z)_v ] = softmax(z) * sum_v t_v - t
@@ -39,7 +40,7 @@ def chunk_logit_grad(z: Tensor, t: Tensor, hard: bool) -> Tensor:
 
 class _ChunkedCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, hard, chunk, acc):  # type: ignore[override]
+    def forward(ctx, h, weight, targets, index, hard, chunk, acc):  # type: ignore[override]
         cd = _compute_dtype(h)
         w = weight.to(cd)
         ce = torch.zeros((), dtype=acc, device=h.device)
@@ -48,21 +49,21 @@ class _ChunkedCE(torch.autograd.Function):
             for s in range(0, h.shape[0], chunk):
                 z = F.linear(h[s : s + chunk].to(cd), w).to(acc)
                 logp = F.log_softmax(z, dim=-1)
-                t = targets[s : s + chunk]
+                t = _rows(targets, index, s, chunk)
                 if hard:
                     ce -= logp.gather(1, t[:, None]).sum()
                     correct += (z.argmax(-1) == t).sum()
                 else:
                     ce -= (t.to(acc) * logp).sum()
                     correct += (z.argmax(-1) == t.argmax(-1)).sum()
-        ctx.save_for_backward(h, weight, targets)
+        ctx.save_for_backward(h, weight, targets, index)
         ctx.hard, ctx.chunk, ctx.acc, ctx.cd = hard, chunk, acc, cd
         ctx.mark_non_differentiable(correct)
         return ce, correct
 
     @staticmethod
     def backward(ctx, grad_ce, _grad_correct):  # type: ignore[override]
-        h, weight, targets = ctx.saved_tensors
+        h, weight, targets, index = ctx.saved_tensors
         cd, acc, chunk = ctx.cd, ctx.acc, ctx.chunk
         w = weight.to(cd)
         gh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
@@ -71,21 +72,42 @@ class _ChunkedCE(torch.autograd.Function):
             for s in range(0, h.shape[0], chunk):
                 hc = h[s : s + chunk].to(cd)
                 z = F.linear(hc, w).to(acc)
-                g = (chunk_logit_grad(z, targets[s : s + chunk], ctx.hard) * grad_ce).to(cd)
+                t = _rows(targets, index, s, chunk)
+                g = (chunk_logit_grad(z, t, ctx.hard) * grad_ce).to(cd)
                 if gh is not None:
                     gh[s : s + chunk] = (g @ w).to(h.dtype)
                 if gw is not None:
                     gw += (g.t() @ hc).to(acc)
-        return gh, None if gw is None else gw.to(weight.dtype), None, None, None, None
+        return gh, None if gw is None else gw.to(weight.dtype), None, None, None, None, None
+
+
+def _rows(targets: Tensor, index: Tensor | None, start: int, chunk: int) -> Tensor:
+    if index is None:
+        return targets[start : start + chunk]
+    return targets[index[start : start + chunk]]
 
 
 def cross_entropy(
-    h: Tensor, weight: Tensor, targets: Tensor, *, hard: bool, chunk: int, acc: torch.dtype
+    h: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    hard: bool,
+    chunk: int,
+    acc: torch.dtype,
+    index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(sum over rows of the cross-entropy of softmax(h @ weight.T) against `targets`, the
     number of rows whose argmax matches the target's), `chunk` rows at a time. h [R, D] (the
     normed hidden states of the rows that count), weight [V, D], targets [R, V] probabilities
-    or [R] labels; acc is the dtype of the softmax and the loss."""
+    or [R] labels - or, with `index` [R], targets[index] (targets [N, V] or [N], read a chunk
+    at a time, never copied whole); acc is the dtype of the softmax and the loss."""
     if chunk < 1:
         raise ValueError(f"chunk must be at least 1 row, got {chunk}")
-    return _ChunkedCE.apply(h, weight, targets, hard, chunk, acc)
+    rows = h.shape[0] if index is None else index.shape[0]
+    if rows != h.shape[0] or (index is None and targets.shape[0] != h.shape[0]):
+        raise ValueError(
+            f"h has {h.shape[0]} rows, targets {targets.shape[0]}, index "
+            f"{None if index is None else index.shape[0]}: expected one target per row"
+        )
+    return _ChunkedCE.apply(h, weight, targets, index, hard, chunk, acc)

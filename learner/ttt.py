@@ -104,6 +104,11 @@ class Roll(Protocol):
         """x[rows + shift] for rows whose ``row + shift`` is inside their document."""
         ...
 
+    def ahead_index(self, shift: int, rows: Tensor) -> Tensor | None:
+        """The local rows `gather_ahead(x, shift, rows)` reads, when it reads only local rows
+        (then x[index] is the same); None when some come from other ranks."""
+        ...
+
 
 class LocalRoll:
     """Rolls of a whole packed batch on one device."""
@@ -116,6 +121,9 @@ class LocalRoll:
 
     def gather_ahead(self, x: Tensor, shift: int, rows: Tensor) -> Tensor:
         return x[rows + shift]
+
+    def ahead_index(self, shift: int, rows: Tensor) -> Tensor | None:
+        return rows + shift
 
 
 def teacher_targets(
@@ -186,10 +194,12 @@ def ttt_forward(
     )  # fmt: skip
     for d, h in passes:
         rows = torch.nonzero(valid[d - 1]).squeeze(1)
-        tgt = roll.gather_ahead(targets, d, rows)
+        # the teacher rows read where they lie (no per-pass copy kept), unless other ranks hold some
+        index = roll.ahead_index(d, rows)
+        tgt = roll.gather_ahead(targets, d, rows) if index is None else targets
         ce, correct = cross_entropy(
             draft.norm(h[rows]), draft.lm_head.weight, tgt,
-            hard=hard, chunk=config.loss_chunk_tokens, acc=acc,
+            hard=hard, chunk=config.loss_chunk_tokens, acc=acc, index=index,
         )  # fmt: skip
         denom = global_valid[d - 1].clamp(min=1).to(ce.dtype)
         pass_loss = ce / denom

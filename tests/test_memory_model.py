@@ -92,3 +92,42 @@ def test_mutation_recompute_ignored_is_caught(monkeypatch: pytest.MonkeyPatch) -
     measured = per_token(3, True, True)
     model = step_saved_bytes_per_token(3, SHAPE, autocast=True, recompute_mlp=True)
     assert abs(measured - model) > 0.1 * model, (measured, model)
+
+
+def _grads(autocast: bool, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, list]:
+    torch.manual_seed(0)  # the draft's own initialisation
+    model = _draft().to(dtype)
+    g = torch.Generator().manual_seed(1)
+    n = 128
+    ids = torch.randint(0, VOCAB, (n,), generator=g)
+    cu = torch.tensor([0, n], dtype=torch.int32)
+    taps = torch.randn(n, SHAPE.taps_width, generator=g).to(dtype)
+    probs = torch.softmax(torch.randn(n, SHAPE.draft_vocab, generator=g), -1).to(dtype)
+    mask = torch.ones(n, dtype=torch.uint8)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = ttt.ttt_forward(model, ids, torch.arange(n), cu, taps, mask, pass_attention,
+                              ttt.TTTConfig(num_passes=3), probs)  # fmt: skip
+    out.loss.backward()
+    return out.loss.detach(), [p.grad.double() for p in model.parameters() if p.grad is not None]
+
+
+def test_one_cast_per_input_keeps_autocasts_numerics(monkeypatch: pytest.MonkeyPatch) -> None:
+    """q/k/v (and gate/up) read one bf16 copy of their input (codraft.draft.model.
+    shared_input_linears): the loss is autocast's to the bit, and every gradient is at least as
+    close to the fp64 step's as with autocast's own per-projection casts (which also sum the
+    K passes' weight gradients in bf16)."""
+    import codraft.draft.model as dm
+
+    ref = _grads(False, torch.float64)[1]
+    loss, grads = _grads(True)
+    monkeypatch.setattr(
+        dm,
+        "shared_input_linears",
+        lambda x, *ws: tuple(torch.nn.functional.linear(x, w) for w in ws),
+    )
+    loss_autocast, grads_autocast = _grads(True)
+    assert torch.equal(loss, loss_autocast)
+    for ours, theirs, want in zip(grads, grads_autocast, ref, strict=True):
+        err = float((ours - want).norm() / want.norm())
+        assert err <= float((theirs - want).norm() / want.norm()) + 1e-6, err
+        assert err < 0.02, err

@@ -158,9 +158,13 @@ class Eagle3Draft(nn.Module):
         residual = h
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(h)], dim=-1)
         lead = x.shape[:-1]
-        q = layer.self_attn.q_proj(x).view(*lead, cfg.num_attention_heads, cfg.head_dim)
-        k = layer.self_attn.k_proj(x).view(*lead, cfg.num_key_value_heads, cfg.head_dim)
-        v = layer.self_attn.v_proj(x).view(*lead, cfg.num_key_value_heads, cfg.head_dim)
+        attn = layer.self_attn
+        q, k, v = shared_input_linears(
+            x, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
+        )
+        q = q.view(*lead, cfg.num_attention_heads, cfg.head_dim)
+        k = k.view(*lead, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.view(*lead, cfg.num_key_value_heads, cfg.head_dim)
         # q's dtype, not x's: under autocast the projections come out bf16 while x is fp32,
         # and fp32 cos/sin would promote q and k away from v
         cos, sin = self.rotary(positions.to(x.device), q.dtype)
@@ -170,7 +174,11 @@ class Eagle3Draft(nn.Module):
         """attn_out [..., T, heads, hd], residual [..., T, H] -> prenorm hidden [..., T, H]."""
         layer = self.midlayer
         residual = layer.self_attn.o_proj(attn_out.flatten(-2)) + residual
-        return layer.mlp(layer.post_attention_layernorm(residual)) + residual
+        mlp = layer.mlp
+        gate, up = shared_input_linears(
+            layer.post_attention_layernorm(residual), mlp.gate_proj.weight, mlp.up_proj.weight
+        )
+        return mlp.down_proj(F.silu(gate) * up) + residual
 
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """prenorm [..., T, H] -> draft-vocab logits [..., T, draft_vocab_size]."""
@@ -217,3 +225,46 @@ class Eagle3Draft(nn.Module):
         out = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), -torch.inf)
         out[..., self.draft_to_target_ids().to(out.device)] = draft_logits
         return out
+
+
+class _SharedInputLinears(torch.autograd.Function):
+    """x @ w.T for several weights of one input, under autocast: x cast to autocast's dtype
+    once and kept once for backward. Autocast itself casts x again for every projection and
+    keeps every copy. The numerics are autocast's: bf16 products, each product's gradient
+    rounded to bf16 and the input's gradients summed in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, dtype, *weights):  # type: ignore[override]
+        with torch.autocast(x.device.type, enabled=False):
+            xc = x.to(dtype)
+            outs = tuple(F.linear(xc, w.to(dtype)) for w in weights)
+        ctx.save_for_backward(xc, *weights)
+        ctx.x_dtype = x.dtype
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        xc, *weights = ctx.saved_tensors
+        gx = None
+        gws = []
+        with torch.autocast(xc.device.type, enabled=False):
+            for g, w in zip(grads, weights, strict=True):
+                if g is None:
+                    gws.append(None)
+                    continue
+                g = g.to(xc.dtype)
+                if ctx.needs_input_grad[0]:
+                    part = (g @ w.to(xc.dtype)).to(ctx.x_dtype)
+                    gx = part if gx is None else gx + part
+                flat_g, flat_x = g.reshape(-1, g.shape[-1]), xc.reshape(-1, xc.shape[-1])
+                gws.append((flat_g.t() @ flat_x).to(w.dtype))
+        return gx, None, *gws
+
+
+def shared_input_linears(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`F.linear(x, w)` for each weight (no biases). Under autocast the input is cast and kept
+    once instead of once per projection (the q/k/v input, the MLP's gate/up input)."""
+    dev = x.device.type
+    if not torch.is_autocast_enabled(dev):
+        return tuple(F.linear(x, w) for w in weights)
+    return _SharedInputLinears.apply(x, torch.get_autocast_dtype(dev), *weights)

@@ -90,7 +90,12 @@ class StepShape:
 
 
 def step_saved_bytes_per_token(
-    passes: int, s: StepShape = StepShape(), *, autocast: bool = True, recompute_mlp: bool = False
+    passes: int,
+    s: StepShape = StepShape(),
+    *,
+    autocast: bool = True,
+    recompute_mlp: bool = False,
+    cp: int = 1,
 ) -> int:
     """Bytes per local token that the TTT step (codraft.learner.ttt, as the Trainer runs it)
     keeps for backward once its K passes and their losses are computed: what grows with the
@@ -102,28 +107,30 @@ def step_saved_bytes_per_token(
     * RMSNorm of an input that needs grad: its fp32 copy, 1/rms (4 bytes), the normed value in
       the input's dtype: ``4H + 4 + aH``; of the embeddings (no grad): only the fp32 normed
       value, ``4H``;
-    * q, k, v projections: their input ``[2H]``, as one fp32 tensor, or under autocast cast
-      to bf16 once per projection: ``3 x 2H a``; RoPE's cos and sin: ``2 D a``;
+    * q, k, v projections: their one input ``2H a`` (under autocast cast to bf16 once, not by
+      each projection: codraft.draft.model); RoPE's cos and sin: ``2 D a``;
     * attention (codraft.learner.attention): q and its output ``2 Hq D a``, fp32 lse ``4 Hq``,
       the pass's k and v ``2 Hkv D a`` (the figure `saved_bytes` models, with the CP shards);
     * o_proj: nothing new (its input is the attention output, kept already);
-    * the post-attention RMSNorm ``4H + 4 + aH`` and the MLP: its input (fp32 once, or one
-      bf16 cast for each of gate and up: ``2 H a``), gate, silu, up and their product ``4 I a``;
+    * the post-attention RMSNorm ``4H + 4 + aH`` and the MLP: its input ``H a`` (cast once, as
+      the q/k/v input), gate, silu, up and their product ``4 I a``;
       with `recompute_mlp` those two are replaced by the residual (``H a`` under autocast; in
       fp32 it is the tensor the first norm keeps);
     * the loss (codraft.learner.chunked_loss: logits never kept): the valid rows' index (8), the
-      final RMSNorm ``4H + 4 + aH``, the normed rows in fp32 ``4H`` and the teacher's fp32
-      probabilities ``4 V_draft``;
+      final RMSNorm ``4H + 4 + aH``, the normed rows in fp32 ``4H`` and the index of their
+      teacher rows (8: the loss reads the teacher's probabilities where they lie); under
+      context parallelism (`cp` > 1) some of those rows come from other ranks, and the loss
+      keeps the gathered fp32 copy instead, ``4 V_draft``;
 
     and once per step, under autocast, the taps cast to bf16 for `fc`: ``taps_width a``."""
     a, H, inter = (2 if autocast else 4), s.hidden, s.intermediate
     norm = 4 * H + 4 + a * H
-    qkv = (3 if autocast else 1) * 2 * H * a
+    qkv = 2 * H * a
     attention = (2 * s.heads + 2 * s.kv_heads) * s.head_dim * a + 4 * s.heads
-    mlp = norm + (2 if autocast else 1) * H * a + 4 * inter * a
+    mlp = norm + H * a + 4 * inter * a
     if recompute_mlp:
         mlp = H * a if autocast else 0
-    loss = 8 + norm + 4 * H + 4 * s.draft_vocab
+    loss = 8 + norm + 4 * H + (4 * s.draft_vocab if cp > 1 else 8)
     per_pass = 4 * H + norm + qkv + 2 * s.head_dim * a + attention + mlp + loss
     return passes * per_pass + (s.taps_width * a if autocast else 0)
 

@@ -121,6 +121,9 @@ class BoundaryRoll:
         y = torch.where(inside, y, torch.as_tensor(fill, dtype=y.dtype, device=y.device))
         return y.bool() if is_bool else y
 
+    def ahead_index(self, shift: int, rows: Tensor) -> Tensor | None:
+        return rows if shift == 0 else None  # a shard's rows ahead may lie on another rank
+
     def gather_ahead(self, x: Tensor, shift: int, rows: Tensor) -> Tensor:
         if shift == 0:
             return x[rows]
