@@ -75,6 +75,7 @@ from codraft.learner.attention.ring_branch import (
     merge_into,
 )
 from codraft.learner.data.packing import PackedBatch
+from codraft.learner.parallel import memory
 from codraft.learner.parallel.context import ContextParallel, Shard
 from codraft.learner.parallel.launch import ParallelConfig, init_distributed, shutdown
 from codraft.learner.parallel.mesh import ParallelMesh
@@ -557,6 +558,19 @@ def run_case(
         _emit(records, rec, args.out, mesh)
 
 
+def model_saved_gib(args: argparse.Namespace, tokens: int, bf16: bool) -> float:
+    """What the whole-step memory model says one rank keeps for backward (GiB), to set
+    beside the measured peak (codraft.learner.parallel.memory.step_saved_bytes_per_token)."""
+    shape = memory.StepShape(
+        args.hidden, args.intermediate, args.heads, args.kv_heads, args.head_dim,
+        args.taps * args.hidden, args.draft_vocab,
+    )  # fmt: skip
+    per_token = memory.step_saved_bytes_per_token(
+        args.passes, shape, autocast=bf16, recompute_mlp=args.recompute_mlp, cp=args.world
+    )
+    return memory.local_tokens(tokens, args.world) * per_token / GIB
+
+
 def run(args: argparse.Namespace, mesh: ParallelMesh, device: torch.device) -> list[dict]:
     records: list[dict] = []
     draft = build_draft(args, device)
@@ -577,7 +591,8 @@ def run(args: argparse.Namespace, mesh: ParallelMesh, device: torch.device) -> l
             lengths = doc_lengths(tokens, layout, args.docs, multiple)
             head = {"cp": args.world, "tokens": tokens, "layout": layout, "docs": len(lengths),
                     "passes": args.passes, "loss_chunk": args.loss_chunk,
-                    "recompute_mlp": args.recompute_mlp, "device": name}  # fmt: skip
+                    "recompute_mlp": args.recompute_mlp, "device": name,
+                    "model_saved_gib": model_saved_gib(args, tokens, bf16)}  # fmt: skip
             if args.smoke:
                 cp_steps = {m: s for m, s in steps.items() if m != "plain"}
                 errs = check(cp_steps, lengths, args, device)
