@@ -145,8 +145,8 @@ class TapProcess:
         stats: CaptureStats,
         ring: DeviceRing | None = None,
     ) -> None:
-        """`ring`: on CUDA, the device buffer the rows reach the tap process through (None, or
-        not shareable: through the pipe)."""
+        """`ring`: the buffer on the engine's device the rows reach the tap process through
+        (EngineConfig.tap_device_ring); None, or not shareable: through the pipe."""
         self.target = target
         self.ring = ring
         self.draft_version = draft_version
