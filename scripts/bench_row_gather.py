@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def load_row_copy() -> Any:
     try:
         from codraft.server import row_copy
-    except ImportError:  # the GPU machine before install: load the two files it needs
-        for name in ("device_ring", "row_copy"):  # row_copy imports device_ring
+    except ImportError:  # the GPU machine before install: load the files it needs
+        for name in ("host_stage", "device_ring", "row_copy"):  # each imports those before it
             full = f"codraft.server.{name}"
             spec = importlib.util.spec_from_file_location(full, ROOT / "server" / f"{name}.py")
             module = importlib.util.module_from_spec(spec)

@@ -47,6 +47,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from codraft.server.host_stage import HostStage
+
 log = logging.getLogger(__name__)
 
 ALIGN = 256  # bytes: every slot, and the features inside it, start on this boundary
@@ -213,8 +215,6 @@ class RingReader:
     one reused buffer."""
 
     def __init__(self, wire: dict, fd: int) -> None:
-        from codraft.server.row_copy import HostStage
-
         nbytes = int(wire["nbytes"])
         cuda = "storage" in wire
         view = _map_memfd(fd, ALIGN + (0 if cuda else nbytes))

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -150,12 +152,31 @@ class _Load:
             t.join(timeout=150)
 
 
+def _rendezvous_port() -> int:
+    """A free port below the ephemeral range. torchrun's agent binds the rendezvous store
+    seconds after the port is picked; a port of the ephemeral range (what binding port 0
+    gives) may meanwhile be taken by any outgoing connection, and the agent then waits, with
+    no output, as the client of a store that never starts (seen once in CI)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in random.Random().sample(range(20000, max(low, 20001)), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range for the rendezvous")
+
+
 def _agents(overlay: str, server: dict, out: Path) -> list[list[str]]:
     """The overlay's learner command for this machine, once per node."""
     launcher, program = learner_argv(overlay)
     nodes, per_node, cp = scaled(overlay)
     launcher = _set(launcher, "nproc-per-node", str(per_node))
-    launcher = _set(launcher, "rdzv-endpoint", f"127.0.0.1:{free_port()}")
+    launcher = _set(launcher, "rdzv-endpoint", f"127.0.0.1:{_rendezvous_port()}")
     token_file = out.parent / f"{out.name}-token"
     token_file.write_text(TOKEN)
     for name, value in (
