@@ -230,8 +230,10 @@ class Eagle3Draft(nn.Module):
 class _SharedInputLinears(torch.autograd.Function):
     """x @ w.T for several weights of one input, under autocast: x cast to autocast's dtype
     once and kept once for backward. Autocast itself casts x again for every projection and
-    keeps every copy. The numerics are autocast's: bf16 products, each product's gradient
-    rounded to bf16 and the input's gradients summed in x's dtype."""
+    keeps every copy. The products are autocast's (bf16, the input's gradients summed in x's
+    dtype); each call's weight gradients come back in the weights' dtype, where autocast's
+    cached bf16 copy of a weight would first sum the gradients of a step's calls (the K
+    passes) in bf16."""
 
     @staticmethod
     def forward(ctx, x, dtype, *weights):  # type: ignore[override]
