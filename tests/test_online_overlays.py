@@ -152,11 +152,24 @@ class _Load:
             t.join(timeout=150)
 
 
+STARTUP_S = 150  # rank 0's first line ("listening for taps") comes within seconds, normally
+
+
+def _listening(procs: list[subprocess.Popen], logs: list[Path]) -> bool:
+    """Whether rank 0 logged its start within STARTUP_S (False at once if an agent exited)."""
+    deadline = time.time() + STARTUP_S
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if any("listening for taps" in p.read_text() for p in logs):
+            return True
+        time.sleep(1)
+    return False
+
+
 def _rendezvous_port() -> int:
     """A free port below the ephemeral range. torchrun's agent binds the rendezvous store
     seconds after the port is picked; a port of the ephemeral range (what binding port 0
-    gives) may meanwhile be taken by any outgoing connection, and the agent then waits, with
-    no output, as the client of a store that never starts (seen once in CI)."""
+    gives) may meanwhile be taken by any outgoing connection, and the agent would then wait,
+    with no output, as the client of a store that never starts."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -225,11 +238,19 @@ def test_the_rendered_learner_publishes_to_a_real_server(overlay: str, server: d
     info = client.draft()
     before = max(info.version or 0, info.highest_version or 0)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CODRAFT_NO_PRELOAD": "1"}
-    procs, logs = [], []
-    for i, cmd in enumerate(_agents(overlay, server, out)):
-        logs.append(out.parent / f"{out.name}-agent{i}.log")
-        with open(logs[-1], "w") as f:
-            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env))
+    for attempt in (1, 2):
+        procs, logs = [], []
+        for i, cmd in enumerate(_agents(overlay, server, out)):
+            logs.append(out.parent / f"{out.name}-agent{i}-try{attempt}.log")
+            with open(logs[-1], "w") as f:
+                procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env))
+        if _listening(procs, logs) or attempt == 2:
+            break
+        # On this 2-core host the ranks' start (gloo's full-mesh connect) has hung, every
+        # rank silent, in two CI runs (one overlay each); the start is not what this tests
+        print(f"{overlay}: no rank logged anything in {STARTUP_S} s; starting the agents again")
+        for p in procs:
+            _kill_group(p)
     text = lambda: "\n".join(p.read_text()[-3000:] for p in logs)  # noqa: E731
     try:
         deadline = time.time() + PUBLISH_TIMEOUT_S
