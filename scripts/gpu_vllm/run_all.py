@@ -19,10 +19,15 @@ when an earlier one failed (the failure, its exit status and its log's tail are 
             codraft tap off, codraft tap on (full features), codraft tap on (ids only)
   bench     bench_serving.py: no speculation / the co-trained draft in plain vLLM and in
             codraft's engine, batches 1/8/32/64, bfloat16
+  train     bench_cp_train.py on this one GPU: the full TTT step of an 8B-class draft (K = 3,
+            bf16 autocast) at --train-tokens packed tokens, as the trainer runs it and again
+            with each pass's o_proj + MLP recomputed in backward (train.json,
+            train_recompute.json)
 
 Outputs, flat (a device call brings back at most 8 files: run the phases over several calls):
 <out>/run.log, summary.json, logs.tar.gz (every process's log) and each phase's report
-(checks.json, identity.json, cotrain.json + .png, scale.json + .png, bench.json + .png). State
+(checks.json, identity.json, cotrain.json + .png, scale.json + .png, bench.json + .png,
+train.json, train_recompute.json). State
 that later calls reuse (venv, prepared model, caches, the co-trained draft) stays in --work,
 which the GPU machine keeps between back-to-back calls.
 
@@ -52,7 +57,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-PHASES = ("install", "env", "prepare", "checks", "identity", "cotrain", "scale", "bench")
+PHASES = ("install", "env", "prepare", "checks", "identity", "cotrain", "scale", "bench", "train")
 # Expected seconds on the H200 (engine start ~30-40 s each, first Triton JIT included), for the
 # budget check; cotrain adds its minutes.
 EXPECTED_S = {
@@ -64,9 +69,10 @@ EXPECTED_S = {
     "cotrain": 150,
     "scale": 330,
     "bench": 240,
+    "train": 240,
 }
 MIN_S = {"install": 20, "env": 10, "prepare": 20, "checks": 90, "identity": 90, "cotrain": 150,
-         "scale": 150, "bench": 150}  # fmt: skip
+         "scale": 150, "bench": 150, "train": 60}  # fmt: skip
 
 ENV_REPORT = r"""
 import importlib.metadata as md, json, os, platform, sys
@@ -164,7 +170,7 @@ class Run:
 
     def bundle_logs(self) -> None:
         files = sorted(self.logs.glob("*.log"))
-        for sub in ("cotrain", "identity", "bench", "scale", "checks"):
+        for sub in ("cotrain", "identity", "bench", "scale", "checks", "train"):
             d = self.work / sub
             if d.is_dir():
                 files += sorted(d.glob("*.log")) + sorted(d.glob("*-arms/*.log"))
@@ -431,6 +437,32 @@ class Run:
             self.log(f"[bench] no co-trained draft at {draft}: the untrained draft's arms")
         return self._bench("bench", extra + shlex.split(self.args.bench_args), left)
 
+    def do_train(self, left: float) -> tuple[str, dict]:
+        where = self.work / "train"
+        where.mkdir(parents=True, exist_ok=True)
+        base = [self.py, str(ROOT / "scripts" / "bench_cp_train.py"), "--methods", "plain"]
+        base += ["--layouts", "packed", "--tokens", self.args.train_tokens]
+        base += shlex.split(self.args.train_args)
+        res: dict = {}
+        statuses = []
+        for name, more in (("train", []), ("train_recompute", ["--recompute-mlp"])):
+            report = where / f"{name}.json"
+            budget = max(self.left() - 10, 30) if name != "train" else max(left / 2, 30)
+            rc = self.sh(name, [*base, *more, "--out", str(report)], budget)
+            statuses.append(self._status(rc))
+            res[f"{name}_rc"] = rc
+            if report.is_file():
+                shutil.copy(report, self.out / report.name)
+                rows = json.loads(report.read_text())
+                res[name] = {
+                    r["tokens"]: r["status"] if r["status"] != "ok" else
+                    {"ms": round(r["ms"], 1), "peak_gib": round(r["peak_gib"], 1),
+                     "tokens_per_s": round(1e3 * r["tokens"] / r["ms"])}
+                    for r in rows if r.get("kind") == "step"
+                }  # fmt: skip
+        res["note"] = json.dumps({k: res.get(k) for k in ("train", "train_recompute")})
+        return ("ok" if all(s == "ok" for s in statuses) else statuses[-1]), res
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -453,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bench-args", default="", help="more bench_serving.py flags (bench)")
     p.add_argument("--checks-args", default="", help="more engine_checks.py flags")
     p.add_argument("--scale-args", default="", help="more bench_scale.py flags")
+    p.add_argument("--train-tokens", default="16384,65536,131072", help="train: packed tokens")
+    p.add_argument("--train-args", default="", help="more bench_cp_train.py flags")
     args = p.parse_args(argv)
     phases = [x for x in args.phases.split(",") if x]
     unknown = [x for x in phases if x not in PHASES]
