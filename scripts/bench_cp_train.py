@@ -550,12 +550,31 @@ def run_case(
         else:
             if kind == "step":  # setup() returns the step to time
                 setup = partial(partial, train_step, steps[method], case)
+                if args.profile and mesh.is_main:
+                    profile(setup(), device, args.profile, f"{method}-{head['tokens']}")
             else:
                 setup = partial(attention_step, attention_fn(method, case, mesh), case, args)
             rec.update(measure(setup, device, args))
         if rec["status"] == "oom":
             ooms[key] = min(ooms.get(key, head["tokens"]), head["tokens"])
         _emit(records, rec, args.out, mesh)
+
+
+def profile(step: Callable[[], object], device: torch.device, out: Path, name: str) -> None:
+    """One warm step under torch.profiler: ``<out>/<name>.txt``, the operators by device
+    time, where the step's time goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    step()
+    _sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        step()
+        _sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40))
 
 
 def model_saved_gib(args: argparse.Namespace, tokens: int, bf16: bool) -> float:
@@ -765,6 +784,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-attention", dest="attention", action="store_false",
                     help="skip the attention-only measurement")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="folder: a step of each case under torch.profiler")  # fmt: skip
     ap.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
     ap.add_argument("--out", type=Path, default=Path("bench_cp_train.json"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, fp32, checked")
