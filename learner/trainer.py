@@ -50,9 +50,26 @@ class TrainConfig:
     tap_layers: tuple[int, ...] | None = None  # default: the target's (2, L//2, L-3)
     device: str = "auto"  # "auto": cuda when available
     autocast_bf16: bool = True  # on CUDA only
+    # the teacher's head (and, with `recompute`, the target): "auto" is bfloat16 where the step
+    # runs under bf16 autocast, the dtype a bf16-served target computes its own logits in (and
+    # on an H200 the fp32 head took a fifth of an 8B draft's step); float32 elsewhere
+    teacher_dtype: str = "auto"
     keep_checkpoints: int = 3
     seed: int = 0
     recompute: bool = False  # run the target here (ids-only data) instead of streamed features
+
+    def teacher_torch_dtype(self, device: torch.device) -> torch.dtype:
+        """`teacher_dtype` resolved for a step on `device`."""
+        if self.teacher_dtype == "auto":
+            bf16 = self.autocast_bf16 and device.type == "cuda"
+            return torch.bfloat16 if bf16 else torch.float32
+        dtype = getattr(torch, self.teacher_dtype, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(
+                f"teacher_dtype must be 'auto' or a floating torch dtype such as 'float32' or "
+                f"'bfloat16', got {self.teacher_dtype!r}"
+            )
+        return dtype
 
     def ttt(self) -> TTTConfig:
         return TTTConfig(
@@ -121,7 +138,11 @@ class Trainer:
         self.fingerprint = model_fingerprint(self.target_config)
         if teacher is None:
             teacher = Teacher.from_pretrained(
-                self.target_dir, device=self.device, recompute=cfg.recompute, config=target_config
+                self.target_dir,
+                dtype=cfg.teacher_torch_dtype(self.device),
+                device=self.device,
+                recompute=cfg.recompute,
+                config=target_config,
             )
         self.teacher = teacher
         if embedding is None:

@@ -1,10 +1,11 @@
 """Strong scaling of one full TTT draft training step under context parallelism (CP = world size).
 
 One step is what ``codraft.learner.trainer.Trainer.step`` does after sharding: the teacher's
-draft-vocab targets from the last hidden states (``Teacher.draft_targets``, fp32), K TTT passes of
-the draft under bf16 autocast (``ContextParallel.ttt_forward``: ring attention, boundary rolls,
-lm_head over the draft vocab, soft cross-entropy), backward, the gradient all-reduce over the CP
-ranks, clipping, AdamW and the metrics all-reduce. The draft is shaped for an 8B-class target
+draft-vocab targets from the last hidden states (``Teacher.draft_targets``: fp32 distributions,
+the head in ``TrainConfig.teacher_dtype``, bf16 on CUDA), K TTT passes of the draft under bf16
+autocast (``ContextParallel.ttt_forward``: ring attention, boundary rolls, lm_head over the
+draft vocab, soft cross-entropy), backward, the gradient all-reduce over the CP ranks, clipping,
+AdamW and the metrics all-reduce. The draft is shaped for an 8B-class target
 (hidden 4096, 32 / 8 heads of 128, MLP 14336, vocab 128256, draft vocab 32000, 3 taps). Features are
 random tensors made on each rank for its own zigzag shard (no target model runs); the target's
 head is random too. The global batch is the same at every CP (documents padded to multiples of
@@ -82,6 +83,7 @@ from codraft.learner.parallel.mesh import ParallelMesh
 from codraft.learner.parallel.ring_comm import Ring
 from codraft.learner.parallel.zigzag import ZigzagLayout, all_indices, zigzag_layout
 from codraft.learner.teacher import Teacher
+from codraft.learner.trainer import TrainConfig
 from codraft.learner.ttt import PassAttention, TTTConfig, TTTOutput, ttt_forward
 
 GIB = 2**30
@@ -359,12 +361,14 @@ def build_draft(args: argparse.Namespace, device: torch.device) -> Eagle3Draft:
 
 
 def build_teacher(args: argparse.Namespace, device: torch.device) -> Teacher:
-    """The streamed-mode teacher (the target's lm_head, fp32), random head."""
+    """The streamed-mode teacher (the target's lm_head, random), in the dtype the trainer
+    gives it (TrainConfig.teacher_dtype; fp32 in the smoke check)."""
     torch.manual_seed(args.seed + 7)
     with torch.device(device):
         head = nn.Linear(args.hidden, args.vocab, bias=False)
     nn.init.normal_(head.weight, std=0.02)
-    head.requires_grad_(False)
+    train = TrainConfig(teacher_dtype=args.teacher_dtype, autocast_bf16=not args.smoke)
+    head.to(train.teacher_torch_dtype(device)).requires_grad_(False)
     return Teacher(head.eval())
 
 
@@ -611,6 +615,7 @@ def run(args: argparse.Namespace, mesh: ParallelMesh, device: torch.device) -> l
             head = {"cp": args.world, "tokens": tokens, "layout": layout, "docs": len(lengths),
                     "passes": args.passes, "loss_chunk": args.loss_chunk,
                     "recompute_mlp": args.recompute_mlp, "device": name,
+                    "teacher_dtype": str(teacher.dtype).removeprefix("torch."),
                     "model_saved_gib": model_saved_gib(args, tokens, bf16)}  # fmt: skip
             if args.smoke:
                 cp_steps = {m: s for m, s in steps.items() if m != "plain"}
@@ -771,6 +776,8 @@ def main(argv: list[str] | None = None) -> None:
         "--recompute-mlp", action="store_true",
         help="each pass's o_proj + MLP recomputed in backward (TTTConfig.recompute_mlp)",
     )  # fmt: skip
+    ap.add_argument("--teacher-dtype", default=TrainConfig.teacher_dtype,
+                    help="the teacher head's (TrainConfig.teacher_dtype)")  # fmt: skip
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--intermediate", type=int, default=14336)
     ap.add_argument("--heads", type=int, default=32)

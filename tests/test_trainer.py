@@ -189,3 +189,22 @@ def test_checkpoint_records_the_policy_version(tiny_llama_dir: Path, tmp_path: P
     ckpt = trainer.save(policy_version=7)
     _, meta = check_draft(trainer.draft_dir(ckpt))
     assert meta.policy_version == 7 and meta.version == 1
+
+
+def test_teacher_dtype_follows_the_step(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """'auto' is bf16 only where the step runs under bf16 autocast (CUDA); a bf16 teacher gives
+    the bf16 head's own distribution, which is what a bf16-served target samples from."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert TrainConfig().teacher_torch_dtype(cuda) == torch.bfloat16
+    assert TrainConfig().teacher_torch_dtype(cpu) == torch.float32
+    assert TrainConfig(autocast_bf16=False).teacher_torch_dtype(cuda) == torch.float32
+    assert TrainConfig(teacher_dtype="bfloat16").teacher_torch_dtype(cpu) == torch.bfloat16
+    with pytest.raises(ValueError, match="teacher_dtype must be 'auto'.*got 'int8'"):
+        TrainConfig(teacher_dtype="int8").teacher_torch_dtype(cpu)
+    cfg = TrainConfig(device="cpu", teacher_dtype="bfloat16", draft_vocab_size=64)
+    tr = Trainer(tiny_llama_dir, tmp_path / "ck", cfg)
+    assert tr.teacher.dtype == torch.bfloat16
+    head = load_target(tiny_llama_dir, torch.bfloat16).lm_head.weight
+    h = torch.randn(5, head.shape[1])
+    want = torch.nn.functional.linear(h.bfloat16(), head[tr.draft.t2d]).float().softmax(-1)
+    assert torch.equal(tr.teacher.draft_targets(h, tr.draft.t2d), want)
