@@ -167,6 +167,7 @@ def online_config_from_args(args: argparse.Namespace) -> OnlineConfig:
         warm_start=not args.fresh_draft,
         train=train_config_from_args(args),
         parallel=parallel_config_from_args(args),
+        pipeline=pipeline_config_from_args(args),
     )
 
 
@@ -176,9 +177,7 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=fmt)
     if bool(args.from_dir) == bool(args.server):
         raise SystemExit("codraft learn: give exactly one of --from-dir DIR or --server URL")
-    if args.pp > 1:
-        if not args.from_dir:
-            raise SystemExit("codraft learn --pp needs --from-dir (ids-only or full tap files)")
+    if args.pp > 1 and args.from_dir:
         from codraft.learner.pipeline_trainer import train_pipeline
 
         result = train_pipeline(offline_config_from_args(args), pipeline_config_from_args(args))

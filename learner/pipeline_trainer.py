@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from codraft.draft.model import Eagle3Draft
 from codraft.learner.data.packing import PackedBatch, pack_stream
 from codraft.learner.offline import OfflineConfig, samples, tap_expectation, token_counts
 from codraft.learner.parallel.batch_broadcast import broadcast_batch
@@ -113,10 +114,12 @@ class PipelineLearner:
         token_counts: torch.Tensor | None = None,
         *,
         target_config: TargetConfig | None = None,
+        draft: Eagle3Draft | None = None,
     ) -> PipelineLearner:
         """This rank's stage of the target in `target_dir`, its pipeline and (last stage) the
-        trainer checkpointing into `out_dir`. Collective over the mesh (groups, the tap layers'
-        broadcast). `target_config`: the folder's config.json, when already read."""
+        trainer checkpointing into `out_dir`, training `draft` when given (last stage; else a
+        new one, its vocabulary from `token_counts`). Collective over the mesh (groups, the
+        tap layers' broadcast). `target_config`: the folder's config.json, when already read."""
         tcfg = target_config
         if tcfg is None:
             tcfg = TargetConfig.from_pretrained(target_dir)
@@ -128,7 +131,7 @@ class PipelineLearner:
             train = replace(train, recompute=False, device=str(device))
             trainer = Trainer(
                 target_dir, out_dir, train, token_counts=token_counts, target_config=tcfg,
-                teacher=Teacher(stage.lm_head),  # the stage's own lm_head
+                teacher=Teacher(stage.lm_head), draft=draft,  # the stage's own lm_head
             )  # fmt: skip
             tap_layers = [list(trainer.tap_layers)]
         if g.pp_group is not None:

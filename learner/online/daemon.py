@@ -2,8 +2,10 @@
 
 One process, or dp x cp ranks under torchrun (`OnlineConfig.parallel`): rank 0 does everything
 below but the training step, which every rank runs on its replica's batch; rank 0 tells the
-others what comes next (codraft.learner.online.feed). The loop (ingest and HTTP in background
-threads):
+others what comes next (codraft.learner.online.feed). With pipeline parallelism (pp > 1: the
+target recomputed from the token ids, stage by stage, codraft.learner.pipeline_trainer) one
+pipeline of pp ranks trains, and its last stage, which holds the draft, is the lead that does
+what rank 0 does otherwise. The loop (ingest and HTTP in background threads):
 
 1. ingest validates and buffers the server's tap messages (codraft.learner.online.ingest/buffer);
 2. once `min_buffer_tokens` are buffered, the first draft is built: the serving draft's geometry
@@ -49,6 +51,7 @@ from codraft.learner.online.publish_thread import PublishJob, PublishThread
 from codraft.learner.online.publisher import Publisher, PublishOutcome
 from codraft.learner.parallel.context import ContextParallel
 from codraft.learner.parallel.launch import ParallelConfig, init_distributed, shutdown
+from codraft.learner.pipeline_trainer import PipelineLearner, PipelineTrainConfig
 from codraft.learner.teacher import load_embedding
 from codraft.learner.trainer import TrainConfig, Trainer
 from codraft.models.config import TargetConfig
@@ -81,26 +84,35 @@ class OnlineConfig:
     warm_start: bool = True
     train: TrainConfig = field(default_factory=TrainConfig)
     buffer: BufferPolicy = field(default_factory=BufferPolicy)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # under torchrun: dp x cp
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # under torchrun
+    pipeline: PipelineTrainConfig = field(default_factory=PipelineTrainConfig)  # with pp > 1
 
 
 class OnlineLearner:
     """Collective under torchrun: every rank constructs one and calls `run()`."""
 
     def __init__(self, cfg: OnlineConfig, client: CodraftClient | None = None) -> None:
-        if cfg.parallel.pp > 1:
-            raise ValueError(
-                "the online learner runs data and context parallelism (--cp); pipeline "
-                "parallelism (--pp, the target recomputed from ids-only taps) runs offline only "
-                "for now: codraft learn --from-dir DIR --pp N"
-            )
         self.cfg = cfg
         self.mesh, device = init_distributed(cfg.parallel)
-        self.main = self.mesh.is_main
-        self.parallel = ContextParallel(self.mesh) if self.mesh.dims.world_size > 1 else None
+        dims = self.mesh.dims
+        self.pipelined = dims.pp > 1
+        if self.pipelined and dims.world_size != dims.pp:
+            raise ValueError(
+                f"online, pipeline parallelism runs one pipeline: a world of --pp ranks "
+                f"({dims.pp}), got {dims.world_size} (dp {dims.dp} x cp {dims.cp} x pp "
+                f"{dims.pp}); start torchrun with --nproc-per-node {dims.pp}, or train from "
+                "recorded taps (--from-dir), where dp and cp combine with pp"
+            )
+        # the lead ingests, evaluates, checkpoints and publishes: the rank that holds the draft
+        self.lead = dims.rank_of(dims.pp - 1, 0, 0)
+        self.main = self.mesh.rank == self.lead
+        several = dims.world_size > 1 and not self.pipelined
+        self.parallel = ContextParallel(self.mesh) if several else None
         self.pad_multiple = self.parallel.pad_multiple if self.parallel is not None else 1
         self.train_cfg = replace(cfg.train, device=str(device))
-        self.feed = BatchFeed(self.mesh, device)
+        self.device = device
+        self.feed = BatchFeed(self.mesh, device, lead=self.lead)
+        self.pipe: PipelineLearner | None = None  # with pp > 1: this rank's stage
         self.target_dir = resolve_model(cfg.target)
         self.target_config = TargetConfig.from_pretrained(self.target_dir)
         self.client = client or CodraftClient(cfg.server, token=cfg.token)
@@ -181,6 +193,8 @@ class OnlineLearner:
                 self._apply_published()
             if self.ingest is not None:
                 self.ingest.stop()
+            if self.pipe is not None:
+                self.pipe.close()
             if self.http:
                 self.http.stop()
             if clean and self.mesh.dims.world_size > 1:
@@ -270,7 +284,9 @@ class OnlineLearner:
         """Every rank: resume from --out's newest checkpoint, or start from rank 0's new draft."""
         out = Path(self.cfg.out)
         serving_cfg, serving_path = self._serving_config() if self.main else (None, None)
-        if resume:
+        if self.pipelined:
+            self._start_pipeline(resume, serving_cfg, serving_path)
+        elif resume:
             if not (out / "latest").exists():
                 raise RuntimeError(
                     f"rank {self.mesh.rank} finds no checkpoint in {out}, which rank 0 resumes "
@@ -281,12 +297,13 @@ class OnlineLearner:
         else:
             first = self._first_draft(serving_cfg, serving_path) if self.main else None
             draft = self.feed.share_draft(first)
-        self.trainer = Trainer(
-            self.target_dir, out, self.train_cfg, draft=draft, target_config=self.target_config,
-            parallel=self.parallel,
-        )  # fmt: skip
-        self.trainer.resume()
-        self._saved_step = self.trainer.step_count
+        if not self.pipelined:
+            self.trainer = Trainer(
+                self.target_dir, out, self.train_cfg, draft=draft,
+                target_config=self.target_config, parallel=self.parallel,
+            )  # fmt: skip
+            self.trainer.resume()
+            self._saved_step = self.trainer.step_count
         if not self.main:
             return
         if serving_path is not None:
@@ -303,8 +320,30 @@ class OnlineLearner:
         log.info(
             "training draft from step %d, version %d (vocab %d, taps %s)",
             self.trainer.step_count, self.trainer.draft_version,
-            draft.config.draft_vocab_size, list(draft.config.tap_layers),
+            self.trainer.draft.config.draft_vocab_size,
+            list(self.trainer.draft.config.tap_layers),
         )  # fmt: skip
+
+    def _start_pipeline(
+        self, resume: bool, serving_cfg: DraftConfig | None, serving_path: Path | None
+    ) -> None:
+        """Every rank of the pipeline: its stage of the target; the lead (the last stage) the
+        trainer, from --out's newest checkpoint or its new draft. Collective."""
+        draft = None
+        if self.main:
+            out = Path(self.cfg.out)
+            if resume:
+                draft, _ = load_draft(out / (out / "latest").read_text().strip() / "draft")
+            else:
+                draft = self._first_draft(serving_cfg, serving_path)
+        self.pipe = PipelineLearner.load(
+            self.target_dir, self.cfg.out, self.train_cfg, self.cfg.pipeline, self.mesh,
+            self.device, target_config=self.target_config, draft=draft,
+        )  # fmt: skip
+        self.trainer = self.pipe.trainer  # the lead's; None on the other stages
+        if self.trainer is not None:
+            self.trainer.resume()
+            self._saved_step = self.trainer.step_count
 
     def _first_draft(self, serving_cfg: DraftConfig | None, path: Path | None) -> Eagle3Draft:
         """Rank 0, no checkpoint in --out: the serving draft's weights when it was trained (a
@@ -356,6 +395,15 @@ class OnlineLearner:
 
     def _train_step(self) -> None:
         """Every rank: one step on its replica's batch (rank 0 drew them in `_next_op`)."""
+        if self.pipe is not None:  # the lead's batch goes down the pipeline's own broadcast
+            batch = self._batches[0] if self.main else None
+            self._batches = None
+            m = self.pipe.step(batch)
+            self.metrics.steps.inc()
+            if self.main:
+                self.metrics.tokens.inc(m.tokens)
+                self.metrics.loss.set(m.loss)
+            return
         if self.main:
             batches, self._batches = self._batches, None
             batch = self.feed.send_batches(batches)
@@ -380,10 +428,19 @@ class OnlineLearner:
         self.metrics.buffer_tokens.set(self.buffer.tokens)
 
     def evaluate(self, draft: Eagle3Draft) -> float | None:
+        """The draft's acceptance estimate on held-out captured requests; None when there are
+        none, or when they came without features (ids-only taps) and no teacher here can run
+        the whole target (under pipeline parallelism it runs stage by stage): then the
+        candidate is published without the comparison."""
         held = self.buffer.holdout()
         if not held:
             return None
-        return estimate_acceptance(draft, None, held, k=self.cfg.eval_k).acceptance_length
+        teacher = None
+        if any(s.taps is None for s in held):
+            if self.trainer.teacher.mode != "recompute":
+                return None
+            teacher = self.trainer.teacher
+        return estimate_acceptance(draft, teacher, held, k=self.cfg.eval_k).acceptance_length
 
     def maybe_publish(self) -> bool:
         """Checkpoint and publish the candidate if it is not worse than the serving draft."""

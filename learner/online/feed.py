@@ -55,8 +55,10 @@ class BatchFeed:
     """Commands and batches from rank 0 to every rank of the learner (see module doc). With one
     rank every call is local and nothing is sent."""
 
-    def __init__(self, mesh: ParallelMesh, device: torch.device) -> None:
-        self.mesh = mesh
+    def __init__(self, mesh: ParallelMesh, device: torch.device, lead: int = 0) -> None:
+        """`lead`: the rank that ingests and commands (0; under pipeline parallelism the last
+        stage, which holds the draft)."""
+        self.mesh, self.lead = mesh, lead
         # gloo moves CPU tensors, NCCL the rank's GPU tensors
         self.device = device if _backend() == "nccl" else torch.device("cpu")
         self.bytes_sent = 0  # rank 0: batch bytes sent to the other ranks
@@ -66,11 +68,11 @@ class BatchFeed:
         return self.mesh.dims.world_size
 
     def command(self, op: int) -> int:
-        """Rank 0's `op` on every rank (what other ranks pass is ignored). Collective."""
+        """The lead's `op` on every rank (what other ranks pass is ignored). Collective."""
         if self.world == 1:
             return op
         t = torch.tensor([op], dtype=torch.int64, device=self.device)
-        dist.broadcast(t, src=0)
+        dist.broadcast(t, src=self.lead)
         return int(t.item())
 
     # ------------------------------------------------------------------ batches

@@ -1,0 +1,126 @@
+"""The online learner on ids-only taps: the target recomputed from the token ids, in one process
+(`--recompute`) and as a pipeline of two ranks under torchrun (`--pp 2`, gloo), against a real
+`codraft serve` (vLLM on the CPU, a tiny random Llama, eager, `--tap-mode ids`, greedy load).
+
+Checked for each: the messages carry no features, the learner trains on them and a draft it
+publishes is installed (the server's version climbs past what served before); on SIGTERM every
+rank stops after its step, none fails, and the lead's checkpoint is at the step it stopped on.
+Under the pipeline the last stage is the lead: it binds the tap, trains the draft and publishes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from codraft.client import CodraftClient
+from codraft.server.serve import free_port
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_online_e2e import _stop  # noqa: E402
+from test_online_overlays import _listening, _Load, _rendezvous_port  # noqa: E402
+from test_online_parallel import _kill_group  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+TOKEN = "pp-token"
+RUN = [
+    "--device=cpu", "--http-port=0", "--publish-every=6", "--min-buffer-tokens=200",
+    "--token-budget=256", "--lr=3e-3", "--max-seconds=400",
+]  # fmt: skip
+PUBLISH_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("online-ids")
+    port, cport, tap = free_port(), free_port(), free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "CODRAFT_NO_PRELOAD": "1"}
+    log = open(root / "server.log", "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "codraft.cli", "serve", "--model", str(tiny_llama_dir),
+            "--port", str(port), "--control-port", str(cport), "--control-token", TOKEN,
+            "--tap-endpoint", f"tcp://127.0.0.1:{tap}", "--tap-mode", "ids",
+            "--dtype", "float32", "--max-model-len", "512", "--num-speculative-tokens", "3",
+            "--work-dir", str(root / "server"), "--enforce-eager",
+        ],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
+    client = CodraftClient(f"http://127.0.0.1:{cport}", token=TOKEN)
+    load = _Load(f"http://127.0.0.1:{port}")
+    try:
+        client.wait_ready(timeout=300)
+        load.start()
+        yield {"client": client, "cport": cport, "tap": tap, "root": root, "load": load,
+               "target": tiny_llama_dir}  # fmt: skip
+    finally:
+        load.stop()
+        _stop(proc)
+        log.close()
+
+
+def _command(kind: str, server: dict, out: Path) -> list[str]:
+    program = [
+        "learn", "--server", f"http://127.0.0.1:{server['cport']}", "--token", TOKEN,
+        "--tap", f"tcp://127.0.0.1:{server['tap']}", "--target", str(server["target"]),
+        "--out", str(out), *RUN,
+    ]  # fmt: skip
+    if kind == "recompute":
+        return [sys.executable, "-m", "codraft.cli", *program, "--recompute"]
+    launcher = ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{_rendezvous_port()}"]  # fmt: skip
+    return [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "codraft.cli",
+            *program, "--pp", "2"]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["recompute", "pp2"])
+def test_ids_only_taps_train_and_publish(kind: str, server: dict) -> None:
+    client: CodraftClient = server["client"]
+    assert client.tap().mode == "ids", client.tap()
+    out = server["root"] / f"learner-{kind}"
+    info = client.draft()
+    before = max(info.version or 0, info.highest_version or 0)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CODRAFT_NO_PRELOAD": "1"}
+    for attempt in (1, 2):
+        log = out.parent / f"{out.name}-try{attempt}.log"
+        with open(log, "w") as f:
+            proc = subprocess.Popen(
+                _command(kind, server, out), stdout=f, stderr=subprocess.STDOUT, env=env
+            )
+        if _listening([proc], [log]) or attempt == 2:
+            break
+        print(f"{kind}: nothing logged in time; starting the learner again")  # gloo's connect
+        _kill_group(proc)
+    text = lambda: log.read_text()[-4000:]  # noqa: E731
+    try:
+        deadline = time.time() + PUBLISH_TIMEOUT_S
+        version = before
+        while time.time() < deadline and version <= before:
+            assert proc.poll() is None, f"the learner exited:\n{text()}"
+            time.sleep(2)
+            info = client.draft()
+            version = max(info.version or 0, info.highest_version or 0)
+        assert version > before, f"no draft published in {PUBLISH_TIMEOUT_S} s:\n{text()}"
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the learner did not stop within 60 s of SIGTERM:\n{text()}")
+    finally:
+        _kill_group(proc)
+    whole = log.read_text()
+    assert not re.search(r"^\[rank\d+\]: Traceback", whole, re.M), f"a rank failed:\n{text()}"
+    stopped = re.findall(r"stopped at step (\d+)", whole)
+    latest = out / (out / "latest").read_text().strip()
+    state = json.loads((latest / "state.json").read_text())
+    assert stopped and int(stopped[-1]) == state["step"] >= 6, (state, text())
+    assert not server["load"].failed, server["load"].failed[:3]
