@@ -1,11 +1,13 @@
-"""The online learner on ids-only taps: the target recomputed from the token ids, in one process
-(`--recompute`) and as a pipeline of two ranks under torchrun (`--pp 2`, gloo), against a real
-`codraft serve` (vLLM on the CPU, a tiny random Llama, eager, `--tap-mode ids`, greedy load).
+"""The online learner on ids-only taps, the target recomputed from the token ids: in one process
+(`--recompute`) and as two pipelines of two stages, one per CP rank (`--pp 2 --cp 2`, four
+ranks under torchrun, gloo), against a real `codraft serve` (vLLM on the CPU, a tiny random
+Llama, eager, `--tap-mode ids`, greedy load).
 
 Checked for each: the messages carry no features, the learner trains on them and a draft it
 publishes is installed (the server's version climbs past what served before); on SIGTERM every
 rank stops after its step, none fails, and the lead's checkpoint is at the step it stopped on.
-Under the pipeline the last stage is the lead: it binds the tap, trains the draft and publishes.
+Under pipelines the last stage of the first is the lead: it binds the tap, trains its draft,
+sends the other last stage its batches and publishes.
 """
 
 from __future__ import annotations
@@ -68,21 +70,32 @@ def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         log.close()
 
 
-def _command(kind: str, server: dict, out: Path) -> list[str]:
-    program = [
+def _program(server: dict, out: Path) -> list[str]:
+    """`codraft learn` against the fixture's server, sized for a tiny model."""
+    return [
         "learn", "--server", f"http://127.0.0.1:{server['cport']}", "--token", TOKEN,
         "--tap", f"tcp://127.0.0.1:{server['tap']}", "--target", str(server["target"]),
         "--out", str(out), *RUN,
     ]  # fmt: skip
+
+
+def _command(kind: str, server: dict, out: Path) -> list[str]:
+    program = _program(server, out)
     if kind == "recompute":
         return [sys.executable, "-m", "codraft.cli", *program, "--recompute"]
-    launcher = ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+    nproc, flags = WORLDS[kind]
+    launcher = ["--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"127.0.0.1:{_rendezvous_port()}"]  # fmt: skip
     return [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "codraft.cli",
-            *program, "--pp", "2"]  # fmt: skip
+            *program, *flags]  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["recompute", "pp2"])
+# `--pp 2` alone (two ranks) passed here too; this world holds it and adds the lead's batches
+# to the second pipeline and PP x CP, at the suite's cost of one torchrun start
+WORLDS = {"pp2-cp2": (4, ["--pp", "2", "--cp", "2"])}
+
+
+@pytest.mark.parametrize("kind", ["recompute", *WORLDS])
 def test_ids_only_taps_train_and_publish(kind: str, server: dict) -> None:
     client: CodraftClient = server["client"]
     assert client.tap().mode == "ids", client.tap()
@@ -124,3 +137,29 @@ def test_ids_only_taps_train_and_publish(kind: str, server: dict) -> None:
     state = json.loads((latest / "state.json").read_text())
     assert stopped and int(stopped[-1]) == state["step"] >= 6, (state, text())
     assert not server["load"].failed, server["load"].failed[:3]
+
+
+def test_a_learner_without_the_target_refuses_ids_only_taps(server: dict) -> None:
+    """A learner that trains on streamed features alone (no --recompute, no --pp) counts the
+    ids-only messages as rejected (reason "mode") and keeps running, instead of failing its
+    first step on a batch without features."""
+    out = server["root"] / "learner-streamed"
+    log = out.parent / f"{out.name}.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CODRAFT_NO_PRELOAD": "1"}
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "codraft.cli", *_program(server, out)],
+            stdout=f, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and "rejected a tap message (mode)" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(1)
+        assert "rejected a tap message (mode)" in log.read_text(), log.read_text()[-3000:]
+        assert proc.poll() is None, log.read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        _kill_group(proc)
+    assert "Traceback" not in log.read_text()

@@ -3,9 +3,9 @@
 One process, or dp x cp ranks under torchrun (`OnlineConfig.parallel`): rank 0 does everything
 below but the training step, which every rank runs on its replica's batch; rank 0 tells the
 others what comes next (codraft.learner.online.feed). With pipeline parallelism (pp > 1: the
-target recomputed from the token ids, stage by stage, codraft.learner.pipeline_trainer) one
-pipeline of pp ranks trains, and its last stage, which holds the draft, is the lead that does
-what rank 0 does otherwise. The loop (ingest and HTTP in background threads):
+target recomputed from the token ids, stage by stage, codraft.learner.pipeline_trainer) dp x cp
+pipelines of pp stages train; the last stage of replica 0, which holds a draft, is the lead that
+does what rank 0 does otherwise. The loop (ingest and HTTP in background threads):
 
 1. ingest validates and buffers the server's tap messages (codraft.learner.online.ingest/buffer);
 2. once `min_buffer_tokens` are buffered, the first draft is built: the serving draft's geometry
@@ -96,19 +96,18 @@ class OnlineLearner:
         self.mesh, device = init_distributed(cfg.parallel)
         dims = self.mesh.dims
         self.pipelined = dims.pp > 1
-        if self.pipelined and dims.world_size != dims.pp:
-            raise ValueError(
-                f"online, pipeline parallelism runs one pipeline: a world of --pp ranks "
-                f"({dims.pp}), got {dims.world_size} (dp {dims.dp} x cp {dims.cp} x pp "
-                f"{dims.pp}); start torchrun with --nproc-per-node {dims.pp}, or train from "
-                "recorded taps (--from-dir), where dp and cp combine with pp"
-            )
-        # the lead ingests, evaluates, checkpoints and publishes: the rank that holds the draft
+        # the lead ingests, evaluates, checkpoints and publishes: a rank that holds the draft
         self.lead = dims.rank_of(dims.pp - 1, 0, 0)
         self.main = self.mesh.rank == self.lead
+        # the ranks that train a draft and receive batches: every rank, or the last stages
+        self.data_ranks = [dims.rank_of(dims.pp - 1, d, c)
+                           for d in range(dims.dp) for c in range(dims.cp)]  # fmt: skip
         several = dims.world_size > 1 and not self.pipelined
         self.parallel = ContextParallel(self.mesh) if several else None
-        self.pad_multiple = self.parallel.pad_multiple if self.parallel is not None else 1
+        if self.parallel is not None:
+            self.pad_multiple = self.parallel.pad_multiple
+        else:  # one process, or pipelines: zigzag halves only with cp > 1 (as offline)
+            self.pad_multiple = 2 * dims.cp if dims.cp > 1 else 1
         self.train_cfg = replace(cfg.train, device=str(device))
         self.device = device
         self.feed = BatchFeed(self.mesh, device, lead=self.lead)
@@ -121,10 +120,14 @@ class OnlineLearner:
         self.publishing = PublishThread(self._timed_publish) if background else None
         self.metrics = LearnerMetrics()
         self.buffer = SampleBuffer(cfg.buffer, seed=cfg.train.seed)
+        # ids-only messages need a learner that runs the target (--recompute, --pp); any
+        # other refuses them at ingest, counted under "mode", instead of failing its step
+        recomputes = self.pipelined or cfg.train.recompute
         self.expect = TapExpectation(
             fingerprint=model_fingerprint(self.target_config),
             hidden_size=self.target_config.hidden_size,
             vocab_size=self.target_config.vocab_size,
+            mode=None if recomputes else "full",
         )
         # rank 0 alone binds the tap endpoint and buffers (codraft.learner.online.feed says why)
         self.ingest = TapIngest(cfg.tap, self.buffer, self.expect) if self.main else None
@@ -329,13 +332,12 @@ class OnlineLearner:
     ) -> None:
         """Every rank of the pipeline: its stage of the target; the lead (the last stage) the
         trainer, from --out's newest checkpoint or its new draft. Collective."""
-        draft = None
-        if self.main:
-            out = Path(self.cfg.out)
-            if resume:
-                draft, _ = load_draft(out / (out / "latest").read_text().strip() / "draft")
-            else:
-                draft = self._first_draft(serving_cfg, serving_path)
+        draft, out = None, Path(self.cfg.out)
+        if resume and self.mesh.pp_rank == self.mesh.dims.pp - 1:
+            draft, _ = load_draft(out / (out / "latest").read_text().strip() / "draft")
+        elif not resume:
+            first = self._first_draft(serving_cfg, serving_path) if self.main else None
+            draft = self.feed.share_draft(first)  # the other stages drop theirs
         self.pipe = PipelineLearner.load(
             self.target_dir, self.cfg.out, self.train_cfg, self.cfg.pipeline, self.mesh,
             self.device, target_config=self.target_config, draft=draft,
@@ -395,12 +397,18 @@ class OnlineLearner:
 
     def _train_step(self) -> None:
         """Every rank: one step on its replica's batch (rank 0 drew them in `_next_op`)."""
-        if self.pipe is not None:  # the lead's batch goes down the pipeline's own broadcast
-            batch = self._batches[0] if self.main else None
-            self._batches = None
+        if self.pipe is not None:  # a last stage's batch goes down its pipeline's broadcast
+            batch = None
+            if self.main:
+                batches, self._batches = self._batches, None
+                batch = self.feed.send_batches(batches, to=self.data_ranks)
+            elif self.mesh.rank in self.data_ranks:
+                t = time.monotonic()
+                batch = self.feed.recv_batch()
+                self._wait(time.monotonic() - t)
             m = self.pipe.step(batch)
             self.metrics.steps.inc()
-            if self.main:
+            if self.trainer is not None:
                 self.metrics.tokens.inc(m.tokens)
                 self.metrics.loss.set(m.loss)
             return

@@ -27,6 +27,10 @@ vocabulary, and a fixed data order gives the single-process run's weights, which
 distributed learner is tested. The cost is rank 0 sending each step's batches to the other ranks
 (`scripts/bench_online_feed.py` measures it against the step).
 
+With pipeline parallelism (pp > 1) the lead is not rank 0 but the last stage of replica 0, the
+rank that holds a draft: it commands, shares its first draft and sends the batches, and only the
+last stages (the data ranks) receive batches; each passes its batch down its own pipeline.
+
 Every transfer is tensors (an int64 header, then the batch's own tensors): no pickle between
 ranks.
 """
@@ -76,31 +80,34 @@ class BatchFeed:
         return int(t.item())
 
     # ------------------------------------------------------------------ batches
-    def send_batches(self, batches: list[PackedBatch]) -> PackedBatch:
-        """Rank 0: one batch per data-parallel replica; returns replica 0's (its own)."""
+    def send_batches(self, batches: list[PackedBatch], to: list[int] | None = None) -> PackedBatch:
+        """The lead: one batch per data-parallel replica, sent to the ranks `to` (default:
+        every other rank), each its replica's; returns replica 0's (its own)."""
         if len(batches) != self.mesh.dp_size:
             raise ValueError(
                 f"expected {self.mesh.dp_size} batches (one per replica), got {len(batches)}"
             )
         dims = self.mesh.dims
-        for rank in range(1, self.world):
+        for rank in to if to is not None else range(self.world):
+            if rank == self.lead:
+                continue
             _, replica, _ = dims.coords(rank)
             self.bytes_sent += self._send(batches[replica], rank)
         return batches[0]
 
     def recv_batch(self) -> PackedBatch:
-        """Every rank but 0: its replica's batch of this step (on the CPU, as packed)."""
+        """A rank the lead sends to: its replica's batch of this step (on the CPU, as packed)."""
         header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        dist.recv(header, src=0)
+        dist.recv(header, src=self.lead)
         n, docs, pad, *feat = header.tolist()
         body = torch.empty(int_body_size(n, docs), dtype=torch.int64, device=self.device)
-        dist.recv(body, src=0)
+        dist.recv(body, src=self.lead)
         features = {}
         for i, name in enumerate(_FEATURES):
             width, code, on = feat[3 * i : 3 * i + 3]
             if on:
                 t = torch.empty(n, width, dtype=_DTYPES[code], device=self.device)
-                dist.recv(t, src=0)
+                dist.recv(t, src=self.lead)
                 features[name] = t.cpu()
         return from_int_body(body, n, docs, pad_multiple=pad, **features)
 
@@ -125,27 +132,27 @@ class BatchFeed:
 
     # ------------------------------------------------------------------ the first draft
     def share_draft(self, draft: Eagle3Draft | None) -> Eagle3Draft:
-        """Rank 0 passes its new draft, the others None; every rank gets the same weights and
+        """The lead passes its new draft, the others None; every rank gets the same weights and
         vocabulary maps (its config as JSON bytes, then every tensor of its state). Collective."""
         if self.world == 1:
             assert draft is not None
             return draft
-        src = self.mesh.is_main
+        src = self.mesh.rank == self.lead
         blob = json.dumps(draft.config.to_dict()).encode() if src else b""
         size = torch.tensor([len(blob)], dtype=torch.int64, device=self.device)
-        dist.broadcast(size, src=0)
+        dist.broadcast(size, src=self.lead)
         raw = (
             torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device)
             if src
             else torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         )
-        dist.broadcast(raw, src=0)
+        dist.broadcast(raw, src=self.lead)
         if not src:
             draft = Eagle3Draft(DraftConfig(**json.loads(bytes(raw.cpu().tolist()).decode())))
         state = draft.state_dict()
         for name in sorted(state):
             t = state[name].to(self.device).contiguous()
-            dist.broadcast(t, src=0)
+            dist.broadcast(t, src=self.lead)
             if not src:
                 state[name].copy_(t.to(state[name].device))
         return draft
