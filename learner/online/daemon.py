@@ -342,7 +342,7 @@ class OnlineLearner:
             self.target_dir, self.cfg.out, self.train_cfg, self.cfg.pipeline, self.mesh,
             self.device, target_config=self.target_config, draft=draft,
         )  # fmt: skip
-        self.trainer = self.pipe.trainer  # the lead's; None on the other stages
+        self.trainer = self.pipe.trainer  # on every last stage; None on the stages before
         if self.trainer is not None:
             self.trainer.resume()
             self._saved_step = self.trainer.step_count
