@@ -89,6 +89,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=ParallelConfig.cp,
         help="context-parallel ranks per batch (start under torchrun with a multiple of it)",
     )
+    par.add_argument(
+        "--group-timeout",
+        type=float,
+        default=ParallelConfig.timeout_s,
+        help="seconds a rank waits in a collective before it fails (torchrun --max-restarts "
+        "then restarts the group from the newest checkpoint)",
+    )
     d = PipelineTrainConfig
     par.add_argument(
         "--pp", type=int, default=ParallelConfig.pp, help="pipeline stages for target recompute"
@@ -122,7 +129,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
-    return ParallelConfig(cp=args.cp, pp=args.pp, device=args.device)
+    return ParallelConfig(cp=args.cp, pp=args.pp, device=args.device, timeout_s=args.group_timeout)
 
 
 def pipeline_config_from_args(args: argparse.Namespace) -> PipelineTrainConfig:

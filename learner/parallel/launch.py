@@ -38,7 +38,7 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages (recompute mode, codraft.learner.pipeline_trainer)
     backend: str = "auto"  # "auto": nccl on CUDA, gloo on CPU
     device: str = "auto"  # "auto": cuda:LOCAL_RANK when CUDA is available, else cpu
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # the process groups' collective timeout (the watchdog)
     # The ranks of a host share its GPUs: gloo, transfers staged through host memory (smoke runs
     # on one GPU; not for timing). None: share when the host runs more ranks than it has GPUs.
     # On CPU, True stages CPU tensors through host copies too: that path's test without a GPU.
@@ -47,6 +47,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.cp < 1 or self.pp < 1:
             raise ValueError(f"cp and pp must be >= 1, got cp {self.cp}, pp {self.pp}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s (--group-timeout) must be > 0 s, got {self.timeout_s}")
 
 
 def _gpus() -> int:
@@ -92,6 +94,29 @@ def _backend(cfg: ParallelConfig, device: torch.device, share: bool) -> str:
     return cfg.backend
 
 
+def restart_store(timeout: timedelta) -> dist.Store | None:
+    """The rendezvous store of this group of workers, its keys apart from every earlier group's
+    when torchrun on one host restarts its workers; None where init_process_group's own store
+    is right.
+
+    Under torchrun the agent hosts one store for the whole job and every group of workers it
+    starts (the first and each restart) meets in it under the same keys. A restarted rank may
+    then read the address a killed rank published and connect to a dead port, or wait on a pair
+    that never forms: seen on gloo here as "Connection refused" and "Connect timeout" until the
+    restarts ran out. On one host every worker of a group has the agent's restart count, so the
+    count separates the groups. Across hosts the agents' counts differ (an agent restarts its
+    workers without counting when another host's fail), so there the store is left as it is.
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("GROUP_WORLD_SIZE") != "1":
+        return None
+    base = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), False, timeout
+    )
+    run = env.get("TORCHELASTIC_RUN_ID", "")
+    return dist.PrefixStore(f"codraft/{run}/restart-{env['TORCHELASTIC_RESTART_COUNT']}", base)
+
+
 def init_distributed(cfg: ParallelConfig | None = None) -> tuple[ParallelMesh, torch.device]:
     """Join the job torchrun started (or stay single), pick this rank's device, build the mesh.
 
@@ -114,10 +139,17 @@ def init_distributed(cfg: ParallelConfig | None = None) -> tuple[ParallelMesh, t
         return ParallelMesh.single(), device
     if not dist.is_initialized():
         backend = _backend(cfg, device, share)
+        timeout = timedelta(seconds=cfg.timeout_s)
+        store = restart_store(timeout)
         dist.init_process_group(
             backend,
-            timeout=timedelta(seconds=cfg.timeout_s),
+            timeout=timeout,
             device_id=device if backend == "nccl" else None,  # gloo binds no GPU
+            **(
+                {}
+                if store is None
+                else {"store": store, "rank": int(os.environ["RANK"]), "world_size": world}
+            ),  # fmt: skip
         )
     if share:
         if dist.get_backend() != "gloo":
