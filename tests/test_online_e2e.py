@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from live import stop
 
 from codraft.client import CodraftClient
 from codraft.client.prom import acceptance_by_version
@@ -41,16 +42,6 @@ def _spawn(args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "codraft.cli", *args], stdout=f, stderr=subprocess.STDOUT, env=env
     )
-
-
-def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 async def _round(base_url: str) -> list[tuple[str, int]]:
@@ -127,7 +118,7 @@ def test_online_loop(tiny_llama_dir: Path, tmp_path: Path) -> None:
         assert killed, (
             "the learner published nothing: " + (tmp_path / "learner.log").read_text()[-3000:]
         )
-        _stop(learner)  # no more publishes: the final round runs on one draft
+        stop(learner)  # no more publishes: the final round runs on one draft
         assert highest >= killed_at + 2, "no publish after the restart"
         final = asyncio.run(_round(base))
         # a learned draft serves (the server may have rolled the newest back to its parent)
@@ -138,8 +129,8 @@ def test_online_loop(tiny_llama_dir: Path, tmp_path: Path) -> None:
         assert learned > acc[0] + 0.3, f"acceptance by version: {acc}"
     finally:
         if learner is not None:
-            _stop(learner)
-        _stop(server)
+            stop(learner)
+        stop(server)
     # lossless: every output equals generation without speculation (same greedy requests)
     ref = run_arm_subprocess(
         ArmSpec(target=str(tiny_llama_dir), prompts=PROMPTS, max_tokens=MAX_TOKENS,

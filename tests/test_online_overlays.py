@@ -24,32 +24,23 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
+from live import STARTUP_S, kill_group, listening, loaded_server, rendezvous_port
+from test_k8s import OVERLAYS, manifests, pod, render
 
 from codraft.client import CodraftClient
 from codraft.client.prom import acceptance_by_version
-from codraft.server.serve import free_port
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_k8s import OVERLAYS, manifests, pod, render  # noqa: E402
-from test_online_e2e import _stop  # noqa: E402
-from test_online_parallel import _kill_group  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 TOKEN = "overlay-token"
-PROMPTS = [f"{w} {i}" for i in range(4) for w in ("The cat", "def f(x):", "Once upon", "1 2 3")]
 # what sizes a run for a tiny model on two CPU cores (not in the rendered commands)
 TINY_RUN = [
     "--device=cpu", "--http-port=0", "--publish-every=8", "--min-buffer-tokens=200",
@@ -91,97 +82,8 @@ def scaled(overlay: str, ranks_per_dp: int = 2) -> tuple[int, int, int]:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("overlays")
-    port, cport, tap = free_port(), free_port(), free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "CODRAFT_NO_PRELOAD": "1"}
-    log = open(root / "server.log", "w")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "codraft.cli", "serve", "--model", str(tiny_llama_dir),
-            "--port", str(port), "--control-port", str(cport), "--control-token", TOKEN,
-            "--tap-endpoint", f"tcp://127.0.0.1:{tap}", "--dtype", "float32",
-            "--max-model-len", "512", "--num-speculative-tokens", "3",
-            "--work-dir", str(root / "server"), "--enforce-eager",
-        ],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )  # fmt: skip
-    client = CodraftClient(f"http://127.0.0.1:{cport}", token=TOKEN)
-    load = _Load(f"http://127.0.0.1:{port}")
-    try:
-        client.wait_ready(timeout=300)
-        load.start()
-        yield {"client": client, "cport": cport, "tap": tap, "root": root, "load": load,
-               "target": tiny_llama_dir}  # fmt: skip
-    finally:
-        load.stop()
-        _stop(proc)
-        log.close()
-
-
-class _Load:
-    """Greedy completions from two threads until stopped; failures counted."""
-
-    def __init__(self, base: str) -> None:
-        self.base, self.done, self.failed = base, 0, []
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-
-    def start(self) -> None:
-        model = httpx.get(f"{self.base}/v1/models", timeout=30).json()["data"][0]["id"]
-        for i in range(2):
-            t = threading.Thread(target=self._run, args=(model, i), daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def _run(self, model: str, i: int) -> None:
-        with httpx.Client(base_url=self.base, timeout=120) as http:
-            n = i
-            while not self._stop.is_set():
-                body = {"model": model, "prompt": PROMPTS[n % len(PROMPTS)], "max_tokens": 32,
-                        "temperature": 0.0}  # fmt: skip
-                r = http.post("/v1/completions", json=body)
-                if r.status_code == 200:
-                    self.done += 1
-                else:
-                    self.failed.append((r.status_code, r.text[:200]))
-                n += 2
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=150)
-
-
-STARTUP_S = 150  # rank 0's first line ("listening for taps") comes within seconds, normally
-
-
-def _listening(procs: list[subprocess.Popen], logs: list[Path]) -> bool:
-    """Whether rank 0 logged its start within STARTUP_S (False at once if an agent exited)."""
-    deadline = time.time() + STARTUP_S
-    while time.time() < deadline and all(p.poll() is None for p in procs):
-        if any("listening for taps" in p.read_text() for p in logs):
-            return True
-        time.sleep(1)
-    return False
-
-
-def _rendezvous_port() -> int:
-    """A free port below the ephemeral range. torchrun's agent binds the rendezvous store
-    seconds after the port is picked; a port of the ephemeral range (what binding port 0
-    gives) may meanwhile be taken by any outgoing connection, and the agent would then wait,
-    with no output, as the client of a store that never starts."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    for port in random.Random().sample(range(20000, max(low, 20001)), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range for the rendezvous")
+    with loaded_server(tiny_llama_dir, tmp_path_factory.mktemp("overlays"), TOKEN) as s:
+        yield s
 
 
 def _agents(overlay: str, server: dict, out: Path) -> list[list[str]]:
@@ -189,7 +91,7 @@ def _agents(overlay: str, server: dict, out: Path) -> list[list[str]]:
     launcher, program = learner_argv(overlay)
     nodes, per_node, cp = scaled(overlay)
     launcher = _set(launcher, "nproc-per-node", str(per_node))
-    launcher = _set(launcher, "rdzv-endpoint", f"127.0.0.1:{_rendezvous_port()}")
+    launcher = _set(launcher, "rdzv-endpoint", f"127.0.0.1:{rendezvous_port()}")
     token_file = out.parent / f"{out.name}-token"
     token_file.write_text(TOKEN)
     for name, value in (
@@ -244,13 +146,13 @@ def test_the_rendered_learner_publishes_to_a_real_server(overlay: str, server: d
             logs.append(out.parent / f"{out.name}-agent{i}-try{attempt}.log")
             with open(logs[-1], "w") as f:
                 procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env))
-        if _listening(procs, logs) or attempt == 2:
+        if listening(procs, logs) or attempt == 2:
             break
         # On this 2-core host the ranks' start (gloo's full-mesh connect) has hung, every
         # rank silent, in two CI runs (one overlay each); the start is not what this tests
         print(f"{overlay}: no rank logged anything in {STARTUP_S} s; starting the agents again")
         for p in procs:
-            _kill_group(p)
+            kill_group(p)
     text = lambda: "\n".join(p.read_text()[-3000:] for p in logs)  # noqa: E731
     try:
         deadline = time.time() + PUBLISH_TIMEOUT_S
@@ -272,7 +174,7 @@ def test_the_rendered_learner_publishes_to_a_real_server(overlay: str, server: d
                 pytest.fail(f"the learner did not stop within 60 s of SIGTERM:\n{text()}")
     finally:
         for p in procs:
-            _kill_group(p)
+            kill_group(p)
     log = "\n".join(p.read_text() for p in logs)
     assert not re.search(r"^\[rank\d+\]: Traceback", log, re.M), f"a rank failed:\n{text()}"
     stopped = re.findall(r"stopped at step (\d+)", log)

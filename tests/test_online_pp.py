@@ -22,14 +22,9 @@ import time
 from pathlib import Path
 
 import pytest
+from live import kill_group, listening, loaded_server, rendezvous_port
 
 from codraft.client import CodraftClient
-from codraft.server.serve import free_port
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_online_e2e import _stop  # noqa: E402
-from test_online_overlays import _listening, _Load, _rendezvous_port  # noqa: E402
-from test_online_parallel import _kill_group  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -44,30 +39,8 @@ PUBLISH_TIMEOUT_S = 300
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("online-ids")
-    port, cport, tap = free_port(), free_port(), free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "CODRAFT_NO_PRELOAD": "1"}
-    log = open(root / "server.log", "w")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "codraft.cli", "serve", "--model", str(tiny_llama_dir),
-            "--port", str(port), "--control-port", str(cport), "--control-token", TOKEN,
-            "--tap-endpoint", f"tcp://127.0.0.1:{tap}", "--tap-mode", "ids",
-            "--dtype", "float32", "--max-model-len", "512", "--num-speculative-tokens", "3",
-            "--work-dir", str(root / "server"), "--enforce-eager",
-        ],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )  # fmt: skip
-    client = CodraftClient(f"http://127.0.0.1:{cport}", token=TOKEN)
-    load = _Load(f"http://127.0.0.1:{port}")
-    try:
-        client.wait_ready(timeout=300)
-        load.start()
-        yield {"client": client, "cport": cport, "tap": tap, "root": root, "load": load,
-               "target": tiny_llama_dir}  # fmt: skip
-    finally:
-        load.stop()
-        _stop(proc)
-        log.close()
+    with loaded_server(tiny_llama_dir, root, TOKEN, "--tap-mode", "ids") as s:
+        yield s
 
 
 def _program(server: dict, out: Path) -> list[str]:
@@ -85,7 +58,7 @@ def _command(kind: str, server: dict, out: Path) -> list[str]:
         return [sys.executable, "-m", "codraft.cli", *program, "--recompute"]
     nproc, flags = WORLDS[kind]
     launcher = ["--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"127.0.0.1:{_rendezvous_port()}"]  # fmt: skip
+                "--rdzv-endpoint", f"127.0.0.1:{rendezvous_port()}"]  # fmt: skip
     return [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "codraft.cli",
             *program, *flags]  # fmt: skip
 
@@ -109,10 +82,10 @@ def test_ids_only_taps_train_and_publish(kind: str, server: dict) -> None:
             proc = subprocess.Popen(
                 _command(kind, server, out), stdout=f, stderr=subprocess.STDOUT, env=env
             )
-        if _listening([proc], [log]) or attempt == 2:
+        if listening([proc], [log]) or attempt == 2:
             break
         print(f"{kind}: nothing logged in time; starting the learner again")  # gloo's connect
-        _kill_group(proc)
+        kill_group(proc)
     text = lambda: log.read_text()[-4000:]  # noqa: E731
     try:
         deadline = time.time() + PUBLISH_TIMEOUT_S
@@ -129,7 +102,7 @@ def test_ids_only_taps_train_and_publish(kind: str, server: dict) -> None:
         except subprocess.TimeoutExpired:
             pytest.fail(f"the learner did not stop within 60 s of SIGTERM:\n{text()}")
     finally:
-        _kill_group(proc)
+        kill_group(proc)
     whole = log.read_text()
     assert not re.search(r"^\[rank\d+\]: Traceback", whole, re.M), f"a rank failed:\n{text()}"
     stopped = re.findall(r"stopped at step (\d+)", whole)
@@ -161,5 +134,5 @@ def test_a_learner_without_the_target_refuses_ids_only_taps(server: dict) -> Non
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
     finally:
-        _kill_group(proc)
+        kill_group(proc)
     assert "Traceback" not in log.read_text()
