@@ -187,6 +187,33 @@ class PipelineLearner:
             return True
         return self._train_step(batch, share)
 
+    @torch.no_grad()
+    def features(self, batch: PackedBatch | None) -> PackedBatch | None:
+        """The target over `batch` on every rank of the pipeline, nothing trained: the last
+        stages get the batch with the whole batch's taps and last hidden states (gathered over
+        their CP group), the stages before None. The data rank passes the batch, the others
+        None. Collective over the pipeline (and the last stage's CP group)."""
+        g = self.groups
+        src = g.stage_ranks[-1]
+        batch = broadcast_batch(batch, src, g.pp_group, self.device) if g.pp_group else batch
+        if batch is None:
+            raise ValueError("features needs the data rank's batch")
+        share = (self.mesh.cp_rank, self.mesh.dims.cp)
+        if not g.is_last:
+            self.pipeline.run(batch, None, share)
+            return None
+        return self._collect(batch, share)
+
+    def _collect(self, batch: PackedBatch, share: tuple[int, int]) -> PackedBatch:
+        """The last stage: run the pipeline over `batch` and gather its features."""
+        collector = FeatureCollector()
+        width = len(self.tap_layers) * self.stage.config.hidden_size
+        collector.begin(
+            batch, width, self.stage.config.hidden_size, self.pipeline.dtype, self.device
+        )
+        self.pipeline.run(batch, collector, share)
+        return collector.gather(self.mesh.cp_group)
+
     def draft_stage(self) -> DraftStage:
         """The last stage's consumer for one step with cp = 1: the draft's TTT per microbatch."""
         tr = self.trainer
@@ -208,13 +235,7 @@ class PipelineLearner:
             sums = torch.tensor([res.loss, *res.pass_correct, *res.pass_valid], dtype=torch.float64)
             self._reduce_grads(params)
         else:
-            collector = FeatureCollector()
-            width = len(self.tap_layers) * self.stage.config.hidden_size
-            collector.begin(
-                batch, width, self.stage.config.hidden_size, self.pipeline.dtype, self.device
-            )
-            self.pipeline.run(batch, collector, share)
-            full = collector.gather(self.mesh.cp_group)
+            full = self._collect(batch, share)
             out = cp_draft_step(
                 self._cp, tr.draft, tr.teacher, full, tr.cfg.ttt(), self._autocast()
             )

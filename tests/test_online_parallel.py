@@ -182,16 +182,31 @@ def test_dp2_cp2_matches_dp2(tmp_path) -> None:
     assert err <= TOL, f"dp 2 x cp 2 against dp 2: max weight difference {err:.2e}"
 
 
+def _estimate(out: Path) -> float | None:
+    """The acceptance estimate the newest checkpoint was published with (None: none made)."""
+    latest = out / (out / "latest").read_text().strip()
+    return json.loads((latest / "draft" / "codraft.json").read_text())["counters"].get(
+        "est_acceptance"
+    )
+
+
 def test_pp2_on_ids_only_taps_matches_the_single_process_recompute_run(tmp_path) -> None:
     """Token ids only on the wire: two pipeline stages (the target split over them, its taps
     through TapChannel, the draft on the last) end with the weights of one process that runs
-    the whole target itself (`--recompute`). TapChannel's own planted bug is caught offline
-    (tests/test_pp.py)."""
-    single = _learn(tmp_path / "recompute", 1, 1, False, "--recompute", ids=True)
-    pp = _learn(tmp_path / "pp2", 2, 1, False, "--pp", "2", ids=True)
+    the whole target itself (`--recompute`), and the candidate published at the last step is
+    compared on the held-out requests as that process compares it: the pipeline runs the
+    target over them (the EVAL command) and the estimates agree. TapChannel's own planted bug
+    is caught offline (tests/test_pp.py)."""
+    publish = ("--publish-every", str(STEPS))  # the server is absent: the publish fails, counted
+    single = _learn(tmp_path / "recompute", 1, 1, False, "--recompute", *publish, ids=True)
+    pp = _learn(tmp_path / "pp2", 2, 1, False, "--pp", "2", *publish, ids=True)
     err = _max_diff(pp, single)
     print(f"pp 2 against one process: {err:.2e}")
     assert err <= TOL, f"pp 2 against one process (ids-only taps): max weight difference {err:.2e}"
+    est, est_pp = _estimate(tmp_path / "recompute"), _estimate(tmp_path / "pp2")
+    print(f"acceptance estimates: one process {est}, pp 2 {est_pp}")
+    assert est is not None and est >= 1.0, est  # at least the target's own token a step
+    assert est_pp == pytest.approx(est, abs=1e-9), (est_pp, est)
 
 
 def _ranks(agent: int) -> dict[int, int]:

@@ -41,9 +41,18 @@ from codraft.draft.config import DraftConfig
 from codraft.draft.model import Eagle3Draft
 from codraft.draft.vocab import build_draft_vocab
 from codraft.learner.acceptance import estimate_acceptance
-from codraft.learner.data.packing import PackedBatch, pack
+from codraft.learner.data.packing import PackedBatch, Sample, pack
 from codraft.learner.online.buffer import BufferPolicy, SampleBuffer
-from codraft.learner.online.feed import IDLE, IDLE_EVERY_S, RESUME, START, STEP, STOP, BatchFeed
+from codraft.learner.online.feed import (
+    EVAL,
+    IDLE,
+    IDLE_EVERY_S,
+    RESUME,
+    START,
+    STEP,
+    STOP,
+    BatchFeed,
+)
 from codraft.learner.online.http import HttpThread, build_app
 from codraft.learner.online.ingest import TapIngest
 from codraft.learner.online.metrics import LearnerMetrics
@@ -132,6 +141,8 @@ class OnlineLearner:
         # rank 0 alone binds the tap endpoint and buffers (codraft.learner.online.feed says why)
         self.ingest = TapIngest(cfg.tap, self.buffer, self.expect) if self.main else None
         self._batches: list[PackedBatch] | None = None  # rank 0: the next step's, one a replica
+        # the lead, pipelines: the held-out requests a publish waits on (the EVAL command)
+        self._eval_held: list[Sample] = []
         self._saved_step = 0  # the step of the newest checkpoint written or resumed
         self._saved_policy = 0  # the newest policy version in that checkpoint's data
         self._waited = 0.0  # seconds this rank waited for its next step
@@ -188,7 +199,13 @@ class OnlineLearner:
                 elif op == STEP:
                     self._train_step()
                     if self.main and self.trainer.step_count % self.cfg.publish_every_steps == 0:
-                        self.maybe_publish()
+                        self._eval_held = self._pipeline_eval()
+                        if not self._eval_held:  # else the next command: their features
+                            self.maybe_publish()
+                elif op == EVAL:
+                    held = self._held_features()
+                    if self.main:
+                        self.maybe_publish(held)
             clean = True
         finally:
             if self.publishing is not None:
@@ -208,6 +225,8 @@ class OnlineLearner:
         """Rank 0: what every rank does next. Waits (at most IDLE_EVERY_S) for something to do."""
         deadline = time.monotonic() + IDLE_EVERY_S
         while True:
+            if self._eval_held:  # first: a stop after the last step still publishes it
+                return EVAL
             if self._should_stop():
                 return STOP
             self._export_gauges()
@@ -435,12 +454,45 @@ class OnlineLearner:
         self.metrics.buffer_samples.set(len(self.buffer))
         self.metrics.buffer_tokens.set(self.buffer.tokens)
 
-    def evaluate(self, draft: Eagle3Draft) -> float | None:
-        """The draft's acceptance estimate on held-out captured requests; None when there are
-        none, or when they came without features (ids-only taps) and no teacher here can run
-        the whole target (under pipeline parallelism it runs stage by stage): then the
-        candidate is published without the comparison."""
+    def _pipeline_eval(self) -> list[Sample]:
+        """The lead: the held-out requests (token ids only) that the pipelines must run the
+        target over before a candidate can be compared; none without pipeline parallelism or
+        when every held-out request came with its features."""
         held = self.buffer.holdout()
+        if self.pipe is None or all(s.taps is not None for s in held):
+            return []
+        return [Sample(s.token_ids, s.loss_mask, request_id=s.request_id) for s in held]
+
+    def _held_features(self) -> list[Sample] | None:
+        """EVAL, every rank: the lead sends its held-out requests (token ids only) to the last
+        stages of replica 0, their pipelines run the target over them, and the lead gets them
+        back with the target's features; None on every other rank. The other replicas sit it
+        out: their pipelines are groups of their own."""
+        if self.mesh.dp_rank != 0:
+            return None
+        held, batch = [], None
+        if self.main:
+            held, self._eval_held = self._eval_held, []
+            packed = pack(held, pad_multiple=self.pad_multiple)
+            replica0 = [r for r in self.data_ranks if self.mesh.dims.coords(r)[1] == 0]
+            batch = self.feed.send_batches([packed] * self.mesh.dp_size, to=replica0)
+        elif self.mesh.rank in self.data_ranks:
+            batch = self.feed.recv_batch()
+        full = self.pipe.features(batch)
+        if not self.main:
+            return None
+        cu = full.cu_seqlens.tolist()
+        return [
+            replace(s, taps=full.taps[a : a + len(s)], last_hidden=full.last_hidden[a : a + len(s)])
+            for s, a in zip(held, cu, strict=False)
+        ]
+
+    def evaluate(self, draft: Eagle3Draft, held: list[Sample] | None = None) -> float | None:
+        """The draft's acceptance estimate on held-out captured requests (`held`: those with
+        the features the pipelines computed); None when there are none, or when they came
+        without features (ids-only taps) and no teacher here can run the target: then the
+        candidate is published without the comparison."""
+        held = held if held is not None else self.buffer.holdout()
         if not held:
             return None
         teacher = None
@@ -450,11 +502,12 @@ class OnlineLearner:
             teacher = self.trainer.teacher
         return estimate_acceptance(draft, teacher, held, k=self.cfg.eval_k).acceptance_length
 
-    def maybe_publish(self) -> bool:
-        """Checkpoint and publish the candidate if it is not worse than the serving draft."""
+    def maybe_publish(self, held: list[Sample] | None = None) -> bool:
+        """Checkpoint and publish the candidate if it is not worse than the serving draft
+        (compared on `held`, when given: the held-out requests with their features)."""
         trainer = self.trainer
-        cand = self.evaluate(trainer.draft)
-        serving = self.evaluate(self.serving) if self.serving is not None else None
+        cand = self.evaluate(trainer.draft, held)
+        serving = self.evaluate(self.serving, held) if self.serving is not None else None
         if cand is not None:
             self.metrics.candidate_acceptance.set(cand)
         if serving is not None:

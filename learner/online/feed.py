@@ -17,6 +17,10 @@ broadcast over the world:
   get the whole batch and take their zigzag shards of it). Gradients are then summed over
   dp x cp inside `Trainer.step` (codraft.learner.parallel.context), so every rank holds the same
   weights after every step;
+* EVAL (pipelines only): a publish is due and the held-out requests came without features;
+  the lead sends them to the last stages of replica 0, whose pipelines run the target over
+  them (`PipelineLearner.features`), so that the lead can compare the candidate with the
+  serving draft as one process does;
 * STOP: leave the loop.
 
 Why rank 0 ingests (rather than every rank binding a tap endpoint of its own, which the server's
@@ -48,7 +52,7 @@ from codraft.learner.data.packing import PackedBatch
 from codraft.learner.parallel.batch_broadcast import from_int_body, int_body, int_body_size
 from codraft.learner.parallel.mesh import ParallelMesh
 
-STOP, IDLE, START, RESUME, STEP = 0, 1, 2, 3, 4
+STOP, IDLE, START, RESUME, STEP, EVAL = 0, 1, 2, 3, 4, 5
 IDLE_EVERY_S = 1.0
 _FEATURES = ("taps", "last_hidden", "teacher_logits")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
