@@ -102,7 +102,7 @@ def estimate_acceptance(
         hits = torch.zeros(k, n, dtype=torch.bool, device=device)
         passes = draft_states(
             draft, ids, packed.positions, packed.cu_seqlens,
-            packed.taps.to(draft.fc.weight.dtype), pass_attention, k,
+            packed.taps, pass_attention, k,
         )  # fmt: skip
         for d, h in passes:
             pred = to_target[draft.logits(h).argmax(-1)]

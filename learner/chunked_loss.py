@@ -10,8 +10,11 @@ chunk's logits again and from them the gradients of the hidden states and of the
 
     d/dz [ -sum_v t_v log softmax(z)_v ] = softmax(z) * sum_v t_v - t
 
-(t soft targets, or the one-hot of a label). Under autocast the matmuls run in autocast's dtype
-as `nn.Linear` would, the softmax and the loss in fp32 (fp64 when the inputs are fp64).
+(t the one-hot of a label, or soft targets). Soft targets come as the teacher's logits over
+the draft vocab, in the teacher's dtype, and t = softmax of them is taken here a chunk at a
+time, in the loss's dtype: the step never holds the teacher's probabilities, [N, Vd] fp32
+(4 Vd bytes a token; the bf16 logits are 2 Vd). Under autocast the matmuls run in autocast's
+dtype as `nn.Linear` would, the softmaxes and the loss in fp32 (fp64 when the inputs are fp64).
 """
 
 from __future__ import annotations
@@ -28,13 +31,17 @@ def _compute_dtype(h: Tensor) -> torch.dtype:
     return h.dtype
 
 
+def soft_targets(teacher_logits: Tensor, dtype: torch.dtype) -> Tensor:
+    """One chunk's teacher probabilities [c, V] in `dtype` from its logits [c, V]."""
+    return torch.softmax(teacher_logits.to(dtype), dim=-1)
+
+
 def chunk_logit_grad(z: Tensor, t: Tensor, hard: bool) -> Tensor:
     """d loss / d z for one chunk: z [c, V] logits (accumulation dtype), t [c, V] soft targets
-    or [c] labels."""
+    (probabilities in z's dtype) or [c] labels."""
     p = torch.softmax(z, dim=-1)
     if hard:
         return p.scatter_add(1, t[:, None], torch.full_like(p[:, :1], -1.0))
-    t = t.to(z.dtype)
     return p * t.sum(-1, keepdim=True) - t
 
 
@@ -54,7 +61,7 @@ class _ChunkedCE(torch.autograd.Function):
                     ce -= logp.gather(1, t[:, None]).sum()
                     correct += (z.argmax(-1) == t).sum()
                 else:
-                    ce -= (t.to(acc) * logp).sum()
+                    ce -= (soft_targets(t, acc) * logp).sum()
                     correct += (z.argmax(-1) == t.argmax(-1)).sum()
         ctx.save_for_backward(h, weight, targets, index)
         ctx.hard, ctx.chunk, ctx.acc, ctx.cd = hard, chunk, acc, cd
@@ -73,6 +80,8 @@ class _ChunkedCE(torch.autograd.Function):
                 hc = h[s : s + chunk].to(cd)
                 z = F.linear(hc, w).to(acc)
                 t = _rows(targets, index, s, chunk)
+                if not ctx.hard:
+                    t = soft_targets(t, acc)
                 g = (chunk_logit_grad(z, t, ctx.hard) * grad_ce).to(cd)
                 if gh is not None:
                     gh[s : s + chunk] = (g @ w).to(h.dtype)
@@ -99,9 +108,10 @@ def cross_entropy(
 ) -> tuple[Tensor, Tensor]:
     """(sum over rows of the cross-entropy of softmax(h @ weight.T) against `targets`, the
     number of rows whose argmax matches the target's), `chunk` rows at a time. h [R, D] (the
-    normed hidden states of the rows that count), weight [V, D], targets [R, V] probabilities
-    or [R] labels - or, with `index` [R], targets[index] (targets [N, V] or [N], read a chunk
-    at a time, never copied whole); acc is the dtype of the softmax and the loss."""
+    normed hidden states of the rows that count), weight [V, D], targets [R, V] teacher logits
+    (the soft target is their softmax, taken here) or [R] labels (`hard`) - or, with `index`
+    [R], targets[index] (targets [N, V] or [N], read a chunk at a time, never copied whole);
+    acc is the dtype of the softmaxes and the loss."""
     if chunk < 1:
         raise ValueError(f"chunk must be at least 1 row, got {chunk}")
     rows = h.shape[0] if index is None else index.shape[0]

@@ -193,17 +193,23 @@ class Teacher:
         return cached[1]
 
     @torch.no_grad()
-    def draft_targets(self, last_hidden: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
-        """Teacher distributions over the draft vocab, fp32 [..., Vd]:
-        softmax(target_logits[..., t2d]) for final (post-norm) hidden states [..., H], computing
-        only the draft vocab's logits."""
+    def draft_logits(self, last_hidden: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+        """The target's logits of the draft vocab, target_logits[..., t2d], in the head's dtype
+        [..., Vd], for final (post-norm) hidden states [..., H]: only those rows of lm_head
+        are computed. What the TTT loss trains against (it takes their softmax)."""
         w = self._draft_rows(t2d)
         h = self._check_hidden(last_hidden)
-        out = torch.empty(len(h), w.shape[0], device=self.device, dtype=torch.float32)
+        out = torch.empty(len(h), w.shape[0], device=self.device, dtype=self.dtype)
         for a in range(0, len(h), self.chunk_tokens):
             x = h[a : a + self.chunk_tokens].to(device=self.device, dtype=self.dtype)
-            out[a : a + len(x)] = F.linear(x, w).float().softmax(-1)
+            out[a : a + len(x)] = F.linear(x, w)
         return out.view(*last_hidden.shape[:-1], w.shape[0])
+
+    @torch.no_grad()
+    def draft_targets(self, last_hidden: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+        """Teacher distributions over the draft vocab, fp32 [..., Vd]:
+        softmax(target_logits[..., t2d]) (`draft_logits`, softmaxed in fp32)."""
+        return self.draft_logits(last_hidden, t2d).float().softmax(-1)
 
     # ------------------------------------------------------------------ recompute
     def _need_target(self) -> TargetModel:

@@ -202,10 +202,10 @@ class Trainer:
             batch = self.teacher.fill(batch, self.tap_layers)
         shard = self.parallel.shard(batch) if self.parallel is not None else None
         local = shard.batch if shard is not None else batch
-        teacher = self.teacher.draft_targets(local.last_hidden, self.draft.t2d)
+        teacher = self.teacher.draft_logits(local.last_hidden, self.draft.t2d)
         lr = self.begin_step()
         use_bf16 = cfg.autocast_bf16 and self.device.type == "cuda"
-        taps = local.taps.to(self.draft.fc.weight.dtype)
+        taps = local.taps
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16):
             if shard is not None:
                 out = self.parallel.ttt_forward(self.draft, shard, teacher, cfg.ttt(), taps=taps)

@@ -127,22 +127,22 @@ class LocalRoll:
 
 
 def teacher_targets(
-    teacher_probs: Tensor | None, input_ids: Tensor, t2d: Tensor, roll: Roll
+    teacher_logits: Tensor | None, input_ids: Tensor, t2d: Tensor, roll: Roll
 ) -> tuple[Tensor, Tensor]:
     """Per-position training targets over the draft vocab, and where they are defined.
 
-    With `teacher_probs` ([N, draft_vocab], the target's softmax restricted to the draft vocab)
-    they are used as they are. Without (hard-label fallback) position j's target is the one-hot
-    of the next token x[j+1] in draft-id space, defined only where x[j+1] is in the same
-    document and in the draft vocab.
+    With `teacher_logits` ([N, draft_vocab], the target's logits of the draft vocab) they are
+    used as they are: the loss takes their softmax a chunk at a time. Without (hard-label
+    fallback) position j's target is the one-hot of the next token x[j+1] in draft-id space,
+    defined only where x[j+1] is in the same document and in the draft vocab.
     """
     n = input_ids.shape[0]
-    if teacher_probs is not None:
-        if teacher_probs.shape[0] != n:
+    if teacher_logits is not None:
+        if teacher_logits.shape[0] != n:
             raise ValueError(
-                f"teacher_probs has {teacher_probs.shape[0]} rows, expected one per token ({n})"
+                f"teacher_logits has {teacher_logits.shape[0]} rows, expected one per token ({n})"
             )
-        return teacher_probs, torch.ones(n, dtype=torch.bool, device=input_ids.device)
+        return teacher_logits, torch.ones(n, dtype=torch.bool, device=input_ids.device)
     nxt = roll.roll_left(input_ids, 1, fill=-1)
     in_doc = nxt >= 0
     t2d = t2d.to(input_ids.device)
@@ -162,7 +162,7 @@ def ttt_forward(
     loss_mask: Tensor,
     attn: PassAttention,
     config: TTTConfig | None = None,
-    teacher_probs: Tensor | None = None,
+    teacher_logits: Tensor | None = None,
     reduce_counts: CountReducer | None = None,
     *,
     roll: Roll | None = None,
@@ -170,22 +170,24 @@ def ttt_forward(
     """Run K TTT passes over a packed batch and return the loss (see module docstring).
 
     Shapes: input_ids/positions/loss_mask [N]; cu_seqlens int32 [docs + 1]; taps
-    [N, n_taps * target_H]; teacher_probs [N, draft_vocab] or None for hard labels. Under context
-    parallelism these are one rank's zigzag shard, `attn` is ring attention and `roll` moves
-    chunk-boundary rows between ranks; pass_valid/pass_correct are then rank-local.
+    [N, n_taps * target_H] in any float dtype (`Eagle3Draft.fuse` casts them); teacher_logits
+    [N, draft_vocab] or None for hard labels. Under context parallelism these are one rank's
+    zigzag shard, `attn` is ring attention and `roll` moves chunk-boundary rows between ranks;
+    pass_valid/pass_correct are then rank-local.
     """
     config = config or TTTConfig()
     roll = roll or LocalRoll(cu_seqlens, input_ids.shape[0])
-    targets, defined = teacher_targets(teacher_probs, input_ids, draft.t2d, roll)
+    targets, defined = teacher_targets(teacher_logits, input_ids, draft.t2d, roll)
     usable = defined & (loss_mask.to(torch.bool))
-    hard = teacher_probs is None
+    hard = teacher_logits is None
 
     # Passes' valid anchors: x[i+d] in the document and target position i+d usable.
     valid = [roll.roll_left(usable, d, fill=False) for d in range(1, config.num_passes + 1)]
     local = torch.stack([v.sum() for v in valid]).to(torch.float64)
     global_valid = reduce_counts(local.clone()) if reduce_counts is not None else local
 
-    acc = torch.promote_types(taps.dtype, torch.float32)  # loss in fp32 (fp64 for fp64 checks)
+    # the loss in fp32 (fp64 for fp64 checks)
+    acc = torch.promote_types(draft.fc.weight.dtype, torch.float32)
     total = taps.new_zeros((), dtype=acc)
     out = TTTOutput(total, [], [], [], [])
     passes = draft_states(

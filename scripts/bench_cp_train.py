@@ -1,8 +1,8 @@
 """Strong scaling of one full TTT draft training step under context parallelism (CP = world size).
 
 One step is what ``codraft.learner.trainer.Trainer.step`` does after sharding: the teacher's
-draft-vocab targets from the last hidden states (``Teacher.draft_targets``: fp32 distributions,
-the head in ``TrainConfig.teacher_dtype``, bf16 on CUDA), K TTT passes of the draft under bf16
+draft-vocab logits from the last hidden states (``Teacher.draft_logits``, in the head's
+``TrainConfig.teacher_dtype``, bf16 on CUDA), K TTT passes of the draft under bf16
 autocast (``ContextParallel.ttt_forward``: ring attention, boundary rolls, lm_head over the
 draft vocab, soft cross-entropy), backward, the gradient all-reduce over the CP ranks, clipping,
 AdamW and the metrics all-reduce. The draft is shaped for an 8B-class target
@@ -388,8 +388,8 @@ class Step:
 
 def forward_backward(s: Step, case: Case) -> TTTOutput:
     """Trainer.step up to the gradient all-reduce, on an already sharded batch."""
-    teacher = s.teacher.draft_targets(case.last_hidden, s.draft.t2d)
-    taps = case.taps.to(s.draft.fc.weight.dtype)
+    teacher = s.teacher.draft_logits(case.last_hidden, s.draft.t2d)
+    taps = case.taps
     s.draft.zero_grad(set_to_none=True)  # = Trainer's opt.zero_grad: the optimizer holds them all
     b = case.shard.batch
     with torch.autocast(taps.device.type, dtype=torch.bfloat16, enabled=s.bf16):
@@ -556,6 +556,9 @@ def run_case(
                 setup = partial(partial, train_step, steps[method], case)
                 if args.profile and mesh.is_main:
                     profile(setup(), device, args.profile, f"{method}-{head['tokens']}")
+                if args.memory_history and mesh.is_main:
+                    name = f"{method}-{head['tokens']}{'-recompute' if args.recompute_mlp else ''}"
+                    memory_history(setup(), device, args.memory_history, name)
             else:
                 setup = partial(attention_step, attention_fn(method, case, mesh), case, args)
             rec.update(measure(setup, device, args))
@@ -581,17 +584,80 @@ def profile(step: Callable[[], object], device: torch.device, out: Path, name: s
     (out / f"{name}.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40))
 
 
-def model_saved_gib(args: argparse.Namespace, tokens: int, bf16: bool) -> float:
-    """What the whole-step memory model says one rank keeps for backward (GiB), to set
-    beside the measured peak (codraft.learner.parallel.memory.step_saved_bytes_per_token)."""
+def memory_history(step: Callable[[], object], device: torch.device, out: Path, name: str) -> None:
+    """One warm step with CUDA's allocator history recorded: ``<out>/<name>-peak.json``, what
+    is live at the step's peak above what was allocated before it, summed by the innermost
+    frame of this project's code that allocated it (where the peak beyond the memory model
+    goes). CUDA only; the snapshot itself stays on this machine."""
+    if device.type != "cuda":
+        return
+    root = str(Path(__file__).resolve().parents[1])
+    step()
+    torch.cuda.synchronize(device)
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
+    try:
+        step()
+        torch.cuda.synchronize(device)
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    events = [e for trace in snap["device_traces"] for e in trace]
+
+    def replay(stop: int) -> tuple[dict[int, dict], int, int]:
+        """The blocks live after event `stop`, the peak bytes and its event up to there."""
+        live: dict[int, dict] = {}
+        total = peak = peak_at = 0
+        for i, ev in enumerate(events[: stop + 1]):
+            if ev["action"] == "alloc":
+                live[ev["addr"]] = ev
+                total += ev["size"]
+                if total > peak:
+                    peak, peak_at = total, i
+            elif ev["action"] in ("free_requested", "free_completed") and ev["addr"] in live:
+                total -= live.pop(ev["addr"])["size"]
+        return live, peak, peak_at
+
+    _, peak, peak_at = replay(len(events) - 1)
+    at_peak, _, _ = replay(peak_at)
+
+    def where(ev: dict) -> str:
+        mine = [f for f in ev.get("frames", []) if f["filename"].startswith(root)]
+        if not mine:
+            return "(no frame of this project)"
+        return " < ".join(f"{f['filename'][len(root) + 1 :]}:{f['line']} {f['name']}"
+                          for f in mine[:3])  # fmt: skip
+
+    groups: dict[str, int] = {}
+    for ev in at_peak.values():
+        groups[where(ev)] = groups.get(where(ev), 0) + ev["size"]
+    rows = sorted(groups.items(), key=lambda kv: -kv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}-peak.json").write_text(json.dumps({
+        "peak_above_start_gib": peak / GIB,
+        "by_frame_gib": [{"where": w, "gib": b / GIB} for w, b in rows[:60]],
+    }, indent=1))  # fmt: skip
+
+
+def model_gib(
+    args: argparse.Namespace, tokens: int, bf16: bool, teacher_dtype: torch.dtype
+) -> tuple[float, float]:
+    """What the whole-step memory model says one rank keeps for backward and its peak above
+    the step's inputs (GiB), to set beside the measured ones (codraft.learner.parallel.memory:
+    step_saved_bytes_per_token, step_peak_bytes; the peak's model is bf16 autocast's)."""
     shape = memory.StepShape(
         args.hidden, args.intermediate, args.heads, args.kv_heads, args.head_dim,
-        args.taps * args.hidden, args.draft_vocab,
+        args.taps * args.hidden, args.draft_vocab, args.feature_dtype.itemsize,
+        teacher_dtype.itemsize,
     )  # fmt: skip
     per_token = memory.step_saved_bytes_per_token(
         args.passes, shape, autocast=bf16, recompute_mlp=args.recompute_mlp, cp=args.world
     )
-    return memory.local_tokens(tokens, args.world) * per_token / GIB
+    saved = memory.local_tokens(tokens, args.world) * per_token / GIB
+    peak = memory.step_peak_bytes(
+        tokens, args.passes, shape, recompute_mlp=args.recompute_mlp,
+        loss_chunk=args.loss_chunk, cp=args.world,
+    ) / GIB  # fmt: skip
+    return saved, peak
 
 
 def run(args: argparse.Namespace, mesh: ParallelMesh, device: torch.device) -> list[dict]:
@@ -612,11 +678,12 @@ def run(args: argparse.Namespace, mesh: ParallelMesh, device: torch.device) -> l
     for tokens in sorted(args.tokens):
         for layout in args.layouts:
             lengths = doc_lengths(tokens, layout, args.docs, multiple)
+            saved, peak = model_gib(args, tokens, bf16, teacher.dtype)
             head = {"cp": args.world, "tokens": tokens, "layout": layout, "docs": len(lengths),
                     "passes": args.passes, "loss_chunk": args.loss_chunk,
                     "recompute_mlp": args.recompute_mlp, "device": name,
                     "teacher_dtype": str(teacher.dtype).removeprefix("torch."),
-                    "model_saved_gib": model_saved_gib(args, tokens, bf16)}  # fmt: skip
+                    "model_saved_gib": saved, "model_peak_gib": peak}  # fmt: skip
             if args.smoke:
                 cp_steps = {m: s for m, s in steps.items() if m != "plain"}
                 errs = check(cp_steps, lengths, args, device)
@@ -793,6 +860,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", type=Path, default=None,
                     help="folder: a step of each case under torch.profiler")  # fmt: skip
+    ap.add_argument("--memory-history", type=Path, default=None,
+                    help="folder: what is live at each step's peak, and where from")  # fmt: skip
     ap.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
     ap.add_argument("--out", type=Path, default=Path("bench_cp_train.json"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, fp32, checked")

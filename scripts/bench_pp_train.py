@@ -447,7 +447,7 @@ class Bench:
             grads = [p.grad.clone() for p in self.trainer.draft.parameters() if p.grad is not None]
             got.update(
                 last_hidden=kept.last_hidden, logits=kept.logits,
-                teacher_probs=kept.teacher_probs, taps=kept.taps, grads=grads,
+                teacher_logits=kept.teacher_logits, taps=kept.taps, grads=grads,
                 draft_loss=[torch.tensor([res.loss, *res.pass_loss], dtype=torch.float64)],
             )  # fmt: skip
         return got

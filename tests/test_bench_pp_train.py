@@ -18,7 +18,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("off", "tapchannel", "host")
-CHECKED = ("stage_activations", "last_hidden", "logits", "teacher_probs", "taps", "draft_loss")
+CHECKED = ("stage_activations", "last_hidden", "logits", "teacher_logits", "taps", "draft_loss")
 
 
 def _smoke(tmp_path: Path, *extra: str) -> tuple[str, dict[str, Any]]:

@@ -14,7 +14,7 @@ def reference(h, w, t, hard):
     logp = F.log_softmax(h @ w.t(), dim=-1)
     if hard:
         return F.nll_loss(logp, t, reduction="sum"), (logp.argmax(-1) == t).sum()
-    return -(t * logp).sum(), (logp.argmax(-1) == t.argmax(-1)).sum()
+    return -(t.softmax(-1) * logp).sum(), (logp.argmax(-1) == t.argmax(-1)).sum()
 
 
 def case(hard: bool, rows: int = 11, dim: int = 6, vocab: int = 9, seed: int = 0):
@@ -23,9 +23,8 @@ def case(hard: bool, rows: int = 11, dim: int = 6, vocab: int = 9, seed: int = 0
     w = torch.randn(vocab, dim, generator=g, dtype=torch.float64, requires_grad=True)
     if hard:
         t = torch.randint(0, vocab, (rows,), generator=g)
-    else:  # a teacher restricted to the draft vocab: rows sum to less than 1
-        t = torch.softmax(torch.randn(rows, vocab + 4, generator=g, dtype=torch.float64), -1)
-        t = t[:, :vocab]
+    else:  # the teacher's logits over the draft vocab
+        t = 2 * torch.randn(rows, vocab, generator=g, dtype=torch.float64)
     return h, w, t
 
 
@@ -59,25 +58,25 @@ def test_under_bf16_autocast_matches_linear_under_autocast() -> None:
 
 def reference_autocast(h, w, t):
     logp = F.log_softmax(F.linear(h, w).float(), dim=-1)
-    return -(t * logp).sum(), (logp.argmax(-1) == t.argmax(-1)).sum()
+    return -(t.float().softmax(-1) * logp).sum(), (logp.argmax(-1) == t.argmax(-1)).sum()
 
 
 def test_a_wrong_logit_gradient_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Planted from here: the gradient of a normalised target (p - t) where the draft-vocab
-    teacher does not sum to 1, and a sign error; the comparison above must fail for both."""
+    """Planted from here: a sign error in the logits' gradient, and the teacher's logits taken
+    for its probabilities; the comparison above must fail for both."""
     h, w, t = case(False)
     want = grads(lambda *a: reference(*a, False), h, w, t)
 
-    def normalised(z, t, hard):
-        return torch.softmax(z, -1) - t.to(z.dtype)
-
     def flipped(z, t, hard):
-        return -torch.softmax(z, -1) * t.to(z.dtype).sum(-1, keepdim=True) + t.to(z.dtype)
+        return -torch.softmax(z, -1) * t.sum(-1, keepdim=True) + t
 
-    for bug in (normalised, flipped):
-        monkeypatch.setattr(chunked_loss, "chunk_logit_grad", bug)
-        got = grads(lambda *a: cross_entropy(*a, hard=False, chunk=4, acc=torch.float64), h, w, t)
-        assert not torch.allclose(got[2], want[2], rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(chunked_loss, "chunk_logit_grad", flipped)
+    got = grads(lambda *a: cross_entropy(*a, hard=False, chunk=4, acc=torch.float64), h, w, t)
+    assert not torch.allclose(got[2], want[2], rtol=1e-6, atol=1e-6)
+    monkeypatch.undo()
+    monkeypatch.setattr(chunked_loss, "soft_targets", lambda t, dtype: t.to(dtype))
+    got = grads(lambda *a: cross_entropy(*a, hard=False, chunk=4, acc=torch.float64), h, w, t)
+    assert not torch.allclose(got[2], want[2], rtol=1e-6, atol=1e-6)
 
 
 def test_chunk_must_be_positive() -> None:

@@ -92,13 +92,13 @@ def _samples(lengths: list[int], dtype: torch.dtype, seed: int) -> list[Sample]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for n in lengths:
-        probs = torch.softmax(torch.randn(n, NDRAFT, generator=g, dtype=torch.float64) * 2, -1)
+        logits = torch.randn(n, NDRAFT, generator=g, dtype=torch.float64) * 2
         out.append(
             Sample(
                 token_ids=torch.randint(0, V, (n,), generator=g),
                 loss_mask=(torch.rand(n, generator=g) > 0.2).to(torch.uint8),
                 taps=torch.randn(n, 3 * H, generator=g, dtype=torch.float64).to(dtype),
-                teacher_logits=probs.to(dtype),  # carries teacher probabilities here
+                teacher_logits=logits.to(dtype),
             )
         )
     return out

@@ -64,17 +64,17 @@ def _reference(model, batch, tap_layers) -> dict[str, Any]:
     teacher = Teacher.from_model(model)
     filled = teacher.fill(batch, tap_layers)
     draft = _draft(model, tap_layers)
-    probs = teacher.draft_targets(filled.last_hidden, draft.t2d)
+    teacher_logits = teacher.draft_logits(filled.last_hidden, draft.t2d)
     out = ttt_forward(
         draft, batch.input_ids, batch.positions, batch.cu_seqlens, filled.taps,
-        batch.loss_mask, pass_attention, TTTConfig(), probs,
+        batch.loss_mask, pass_attention, TTTConfig(), teacher_logits,
     )  # fmt: skip
     out.loss.backward()
     return {
         "taps": filled.taps,
         "last_hidden": filled.last_hidden,
         "logits": teacher.logits(filled.last_hidden),
-        "probs": probs,
+        "teacher_logits": teacher_logits,
         "loss": float(out.loss.detach()),
         "valid": [float(v) for v in out.pass_valid],
         "correct": [float(c) for c in out.pass_correct],
@@ -117,7 +117,7 @@ def _pipeline_run(
         "taps": torch.cat(k.taps),
         "last_hidden": torch.cat(k.last_hidden),
         "logits": torch.cat(k.logits),
-        "probs": torch.cat(k.teacher_probs),
+        "teacher_logits": torch.cat(k.teacher_logits),
         "loss": res.loss,
         "valid": res.pass_valid,
         "correct": res.pass_correct,
@@ -409,7 +409,7 @@ def _check_equal(per_m: dict[int, dict[str, Any]]) -> None:
     assert sorted(per_m) == list(MICROBATCHES)
     for m, r in per_m.items():
         pp, ref = r["pp"], r["ref"]
-        for key in ("taps", "last_hidden", "logits", "probs"):
+        for key in ("taps", "last_hidden", "logits", "teacher_logits"):
             diff = float((pp[key] - ref[key]).abs().max())
             assert diff <= EXACT, f"{key} differs by {diff:.3g} at {m} microbatches"
         assert abs(pp["loss"] - ref["loss"]) <= EXACT * max(1.0, abs(ref["loss"])), (m, pp, ref)

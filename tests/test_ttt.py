@@ -54,9 +54,8 @@ def _batch(lengths: list[int], dtype: torch.dtype, seed: int = 1):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     taps = torch.randn(n, 3 * H, generator=g, dtype=torch.float64).to(dtype)
     mask = (torch.rand(n, generator=g) > 0.2).to(torch.uint8)
-    logits = torch.randn(n, NDRAFT, generator=g, dtype=torch.float64) * 2
-    probs = torch.softmax(logits, -1).to(torch.float32)
-    return ids, positions, cu, taps, mask, probs
+    teacher_logits = torch.randn(n, NDRAFT, generator=g, dtype=torch.float64) * 2
+    return ids, positions, cu, taps, mask, teacher_logits
 
 
 def _dense_attn(q, ks, vs, cu):
@@ -80,7 +79,7 @@ def _dense_attn(q, ks, vs, cu):
     return torch.einsum("hts,shd->thd", torch.softmax(s, -1), v)
 
 
-def _reference_loss(draft, ids, positions, cu, taps, mask, probs, K, weights, hard=False):
+def _reference_loss(draft, ids, positions, cu, taps, mask, logits, K, weights, hard=False):
     n = ids.shape[0]
     docs = [(int(cu[j]), int(cu[j + 1])) for j in range(len(cu) - 1)]
     end = torch.empty(n, dtype=torch.long)
@@ -88,6 +87,7 @@ def _reference_loss(draft, ids, positions, cu, taps, mask, probs, K, weights, ha
         end[a:b] = b
     t2d = draft.t2d
     target_ids = draft.draft_to_target_ids().tolist()
+    probs = torch.softmax(logits.double(), -1)  # the teacher's, whole, in fp64
     h = draft.fuse(taps)
     ks, vs, total = [], [], 0.0
     for d in range(1, K + 1):
@@ -107,7 +107,7 @@ def _reference_loss(draft, ids, positions, cu, taps, mask, probs, K, weights, ha
                     continue
                 ce = ce - logp[i, target_ids.index(int(ids[j + 1]))]
             else:
-                ce = ce - (probs[j].double() * logp[i]).sum()
+                ce = ce - (probs[j] * logp[i]).sum()
             count += 1
         total = total + weights[d - 1] * ce / max(count, 1)
     return total
@@ -123,14 +123,14 @@ def test_ttt_loss_and_grads_match_dense_fp64(
     lengths: list[int], K: int, hard: bool, recompute: bool
 ) -> None:
     draft = _draft(torch.float64)
-    ids, positions, cu, taps, mask, probs = _batch(lengths, torch.float64)
+    ids, positions, cu, taps, mask, logits = _batch(lengths, torch.float64)
     taps.requires_grad_(True)
     cfg = TTTConfig(num_passes=K, loss_chunk_tokens=3, recompute_mlp=recompute)
-    teacher = None if hard else probs.double()
+    teacher = None if hard else logits
     got = ttt_forward(draft, ids, positions, cu, taps, mask, pass_attention, cfg, teacher)
     params = [p for p in draft.parameters()] + [taps]
     g_got = torch.autograd.grad(got.loss, params)
-    want = _reference_loss(draft, ids, positions, cu, taps, mask, probs, K, cfg.weights, hard)
+    want = _reference_loss(draft, ids, positions, cu, taps, mask, logits, K, cfg.weights, hard)
     g_want = torch.autograd.grad(want, params)
     assert abs(got.loss.item() - want.item()) < 1e-10
     for a, b in zip(g_got, g_want, strict=True):
@@ -197,7 +197,7 @@ def test_mutations_are_caught(bug: str, monkeypatch: pytest.MonkeyPatch) -> None
 
     lengths, K = [5, 1, 9, 3], 3
     draft = _draft(torch.float64)
-    ids, positions, cu, taps, mask, probs = _batch(lengths, torch.float64)
+    ids, positions, cu, taps, mask, logits = _batch(lengths, torch.float64)
     cfg = TTTConfig(num_passes=K)
     if bug == "off_by_one_roll":
         real = ttt.roll_left
@@ -209,9 +209,9 @@ def test_mutations_are_caught(bug: str, monkeypatch: pytest.MonkeyPatch) -> None
     else:
         real_finish = draft.finish
         monkeypatch.setattr(draft, "finish", lambda a, r: real_finish(a, r).detach() + 0 * r)
-    got = ttt_forward(draft, ids, positions, cu, taps, mask, pass_attention, cfg, probs.double())
+    got = ttt_forward(draft, ids, positions, cu, taps, mask, pass_attention, cfg, logits)
     monkeypatch.undo()
-    want = _reference_loss(draft, ids, positions, cu, taps, mask, probs, K, cfg.weights)
+    want = _reference_loss(draft, ids, positions, cu, taps, mask, logits, K, cfg.weights)
     params = list(draft.parameters())
     g_got = torch.autograd.grad(got.loss, params, allow_unused=True)
     g_want = torch.autograd.grad(want, params)

@@ -140,13 +140,20 @@ class Eagle3Draft(nn.Module):
 
     # ------------------------------------------------------------------ step pieces
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
-        """[..., T, n_taps * target_H] target taps (in tap-layer order) -> h0 [..., T, H]."""
+        """[..., T, n_taps * target_H] target taps (in tap-layer order) -> h0 [..., T, H].
+
+        Taps of any float dtype are cast to the draft's, except taps already in autocast's
+        dtype under autocast (bf16, as the target sends them): `fc` reads those as they are,
+        with no fp32 copy made and no second bf16 copy kept for backward."""
         want = self.fc.in_features
         if taps.shape[-1] != want:
             raise ValueError(
                 f"taps have width {taps.shape[-1]}, expected {want} = {self.config.num_taps} "
                 f"taps x target hidden {self.config.target_hidden_size}"
             )
+        dev = taps.device.type
+        if not (torch.is_autocast_enabled(dev) and taps.dtype == torch.get_autocast_dtype(dev)):
+            taps = taps.to(self.fc.weight.dtype)
         return self.fc(taps)
 
     def qkv(

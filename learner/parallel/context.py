@@ -7,7 +7,7 @@ becomes::
 
     cp = ContextParallel(mesh)
     shard = cp.shard(batch)                               # after features are on the batch
-    teacher = teacher_head.draft_targets(shard.batch.last_hidden, draft.t2d)   # local rows
+    teacher = teacher_head.draft_logits(shard.batch.last_hidden, draft.t2d)    # local rows
     out = cp.ttt_forward(draft, shard, teacher, ttt_config)
     out.loss.backward()
     cp.reduce_gradients(draft.parameters())               # sum over dp x cp, then clip/step
@@ -85,18 +85,18 @@ class ContextParallel:
         self,
         draft: Eagle3Draft,
         shard: Shard,
-        teacher_probs: Tensor | None,
+        teacher_logits: Tensor | None,
         config: TTTConfig | None = None,
         taps: Tensor | None = None,
     ) -> TTTOutput:
         """The TTT loss of this rank's shard (collective over the CP group, and over dp x cp
-        for the counts). ``teacher_probs`` are this rank's rows ([N / cp, draft vocab]) or None
+        for the counts). ``teacher_logits`` are this rank's rows ([N / cp, draft vocab]) or None
         for hard labels; ``taps`` default to the shard's own, cast to the draft's dtype."""
         b = shard.batch
         if taps is None:
             if b.taps is None:
                 raise ValueError("the shard has no taps: fill the batch's features before sharding")
-            taps = b.taps.to(draft.fc.weight.dtype)
+            taps = b.taps
         return ttt_forward(
             draft,
             b.input_ids,
@@ -106,7 +106,7 @@ class ContextParallel:
             b.loss_mask,
             self.attention(shard.layout),
             config,
-            teacher_probs,
+            teacher_logits,
             self.reduce_counts,
             roll=self.roll(shard.layout),
         )

@@ -55,7 +55,7 @@ class KeptOutputs:
 
     taps: list[torch.Tensor] = field(default_factory=list)
     last_hidden: list[torch.Tensor] = field(default_factory=list)
-    teacher_probs: list[torch.Tensor] = field(default_factory=list)
+    teacher_logits: list[torch.Tensor] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -112,11 +112,11 @@ class DraftStage:
         pad = ~mb.valid[:, None]
         taps = out.taps.to(self.device).masked_fill(pad, 0)  # zero on padding, as `pack` does
         last_hidden = out.last_hidden.to(self.device).masked_fill(pad, 0)
-        probs = self.teacher.draft_targets(last_hidden, self.draft.t2d)
+        teacher_logits = self.teacher.draft_logits(last_hidden, self.draft.t2d)
         if self.keep:
             self.kept.taps.append(taps.clone())
             self.kept.last_hidden.append(last_hidden.clone())
-            self.kept.teacher_probs.append(probs.clone())
+            self.kept.teacher_logits.append(teacher_logits.clone())
             self.kept.logits.append(self.teacher.logits(last_hidden))
         global_counts = self._global
         use_autocast = self.autocast_dtype is not None
@@ -131,11 +131,11 @@ class DraftStage:
                 mb.input_ids,
                 mb.positions,
                 mb.cu_seqlens,
-                taps.to(self.draft.fc.weight.dtype),
+                taps,
                 mb.loss_mask,
                 self.attn,
                 self.ttt,
-                probs,
+                teacher_logits,
                 lambda _local: global_counts,
             )
         res.loss.backward()

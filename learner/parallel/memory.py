@@ -1,5 +1,6 @@
 """Memory model of the TTT attention per GPU under context parallelism (docs/context_parallel.md),
-and of everything the whole TTT step keeps for backward (`step_saved_bytes_per_token`).
+and of the whole TTT step: what it keeps for backward (`step_saved_bytes_per_token`) and its
+peak (`step_peak_bytes`).
 
 Bytes per GPU for K passes over one batch of T tokens split over CP ranks (``t = T / CP`` local
 tokens), heads Hq, kv heads Hkv, head dim D, activations of ``b`` bytes (bf16: 2):
@@ -78,7 +79,9 @@ def dense_mask_bytes(tokens: int, cp: int, passes: int) -> int:
 @dataclass(frozen=True)
 class StepShape:
     """The draft's shape for the whole TTT step. Default: the draft of Llama-3.1-8B (hidden
-    4,096, MLP 14,336, 32 / 8 heads of 128, three taps, a 32,000-token draft vocab)."""
+    4,096, MLP 14,336, 32 / 8 heads of 128, three taps, a 32,000-token draft vocab), its
+    taps and the teacher's logits in bf16 (`taps_bytes`, `teacher_bytes`: their dtype's size),
+    as a bf16 target sends and computes them."""
 
     hidden: int = 4096
     intermediate: int = 14336
@@ -87,6 +90,8 @@ class StepShape:
     head_dim: int = 128
     taps_width: int = 3 * 4096
     draft_vocab: int = 32000
+    taps_bytes: int = 2
+    teacher_bytes: int = 2
 
 
 def step_saved_bytes_per_token(
@@ -118,11 +123,12 @@ def step_saved_bytes_per_token(
       fp32 it is the tensor the first norm keeps);
     * the loss (codraft.learner.chunked_loss: logits never kept): the valid rows' index (8), the
       final RMSNorm ``4H + 4 + aH``, the normed rows in fp32 ``4H`` and the index of their
-      teacher rows (8: the loss reads the teacher's probabilities where they lie); under
-      context parallelism (`cp` > 1) some of those rows come from other ranks, and the loss
-      keeps the gathered fp32 copy instead, ``4 V_draft``;
+      teacher rows (8: the loss reads the teacher's logits where they lie); under context
+      parallelism (`cp` > 1) some of those rows come from other ranks, and the loss keeps the
+      gathered copy instead, ``teacher_bytes V_draft``;
 
-    and once per step, under autocast, the taps cast to bf16 for `fc`: ``taps_width a``."""
+    and once per step the taps in the activations' dtype for `fc`, ``taps_width a``, unless
+    they came in it (bf16 taps under autocast: nothing)."""
     a, H, inter = (2 if autocast else 4), s.hidden, s.intermediate
     norm = 4 * H + 4 + a * H
     qkv = 2 * H * a
@@ -130,27 +136,67 @@ def step_saved_bytes_per_token(
     mlp = norm + H * a + 4 * inter * a
     if recompute_mlp:
         mlp = H * a if autocast else 0
-    loss = 8 + norm + 4 * H + (4 * s.draft_vocab if cp > 1 else 8)
+    loss = 8 + norm + 4 * H + (s.teacher_bytes * s.draft_vocab if cp > 1 else 8)
     per_pass = 4 * H + norm + qkv + 2 * s.head_dim * a + attention + mlp + loss
-    return passes * per_pass + (s.taps_width * a if autocast else 0)
+    return passes * per_pass + (s.taps_width * a if s.taps_bytes != a else 0)
+
+
+def step_peak_bytes(
+    tokens: int,
+    passes: int,
+    s: StepShape = StepShape(),
+    *,
+    recompute_mlp: bool = False,
+    loss_chunk: int = 4096,
+    cp: int = 1,
+) -> int:
+    """The TTT step's peak on one GPU under bf16 autocast, above what was allocated before it
+    (the weights, their gradients and optimizer state, and the batch's own features: taps,
+    last hidden states, ids): bytes for `tokens` tokens (the rank's share under CP).
+
+    Per local token: what backward keeps (`step_saved_bytes_per_token`), the teacher's logits
+    of the draft vocab that the step computes from the last hidden states (``teacher_bytes
+    V_draft``), and the working set where the peak falls, read off the allocator's history at
+    the peak (scripts/bench_cp_train.py --memory-history, on the H200):
+
+    * without recompute it falls in the loss's backward of the last pass: its gradient of the
+      normed rows, fp32 ``4H``, and a constant, the chunk's fp32 [chunk, V_draft] buffers (the
+      logits, their softmax, the teacher's softmax, the logits' gradient: ``16 chunk V_draft``);
+    * with `recompute_mlp` it falls in a pass's MLP run again in backward: gate, up, silu and
+      their product and two gradients of that width, ``6 I a`` (a = 2), the loss's chunk
+      buffers freed by then.
+
+    Checked against every peak measured on the H200 (tests/test_memory_model.py). Under CP the
+    ring attention's own transient (`transient_bytes`) is smaller than either working set and
+    is left out."""
+    t = local_tokens(tokens, cp) if cp > 1 else tokens
+    a = 2
+    per_token = step_saved_bytes_per_token(passes, s, recompute_mlp=recompute_mlp, cp=cp)
+    per_token += s.teacher_bytes * s.draft_vocab
+    if recompute_mlp:
+        return t * (per_token + 6 * s.intermediate * a)
+    return t * (per_token + 4 * s.hidden) + 16 * min(loss_chunk, t) * s.draft_vocab
 
 
 def step_table(
     tokens: tuple[int, ...] = (16384, 65536, 131072), passes: int = 3, s: StepShape = StepShape()
 ) -> str:
-    """Markdown: what one GPU keeps for backward in the TTT step (GiB, cp = 1, bf16 autocast),
-    and the attention's part of it (`saved_bytes`)."""
+    """Markdown: what one GPU keeps for backward in the TTT step and the step's peak above
+    its inputs (GiB, cp = 1, bf16 autocast), and the attention's part (`saved_bytes`)."""
     attn = AttnShape(s.heads, s.kv_heads, s.head_dim, 2)
     full = step_saved_bytes_per_token(passes, s)
     lean = step_saved_bytes_per_token(passes, s, recompute_mlp=True)
     rows = [
-        "| tokens | kept for backward | with recompute_mlp | of which attention |",
-        "| --: | --: | --: | --: |",
+        "| tokens | kept for backward | peak | with recompute_mlp: kept | peak "
+        "| of which attention |",
+        "| --: | --: | --: | --: | --: | --: |",
     ]
     for t in tokens:
+        peak = step_peak_bytes(t, passes, s) / GIB
+        peak_lean = step_peak_bytes(t, passes, s, recompute_mlp=True) / GIB
         rows.append(
-            f"| {t} | {t * full / GIB:.1f} | {t * lean / GIB:.1f} "
-            f"| {saved_bytes(t, 1, passes, attn) / GIB:.1f} |"
+            f"| {t} | {t * full / GIB:.1f} | {peak:.1f} | {t * lean / GIB:.1f} "
+            f"| {peak_lean:.1f} | {saved_bytes(t, 1, passes, attn) / GIB:.1f} |"
         )
     return "\n".join(rows)
 

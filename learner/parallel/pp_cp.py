@@ -73,10 +73,10 @@ def cp_draft_step(
     """This CP rank's share of the TTT loss of a batch with features, and its backward
     (gradients are this rank's part: `cp.reduce_gradients` sums them)."""
     shard = cp.shard(batch)
-    probs = teacher.draft_targets(shard.batch.last_hidden, draft.t2d)
+    teacher_logits = teacher.draft_logits(shard.batch.last_hidden, draft.t2d)
     device = draft.fc.weight.device
     enabled = autocast_dtype is not None
     with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=enabled):
-        out = cp.ttt_forward(draft, shard, probs, ttt)
+        out = cp.ttt_forward(draft, shard, teacher_logits, ttt)
     out.loss.backward()
     return out
