@@ -4,8 +4,9 @@ A TTT pass's loss needs the draft-vocab logits of every valid anchor, [R, Vd], a
 would keep them (with their fp32 log-softmax) for backward, K times a step: at 16K tokens and a
 32K draft vocab that is most of the step's memory. `cross_entropy` computes lm_head, the
 log-softmax and the loss `chunk` rows at a time inside one autograd Function that keeps only
-its inputs (the normed hidden states, lm_head's weight, the targets: with `index`, the rows
-of a targets tensor the caller holds anyway, so no copy of them); backward computes each
+its inputs (the normed hidden states, cast once to the matmuls' dtype, lm_head's weight, the
+targets: with `index`, the rows of a targets tensor the caller holds anyway, so no copy of
+them); backward computes each
 chunk's logits again and from them the gradients of the hidden states and of the weight:
 
     d/dz [ -sum_v t_v log softmax(z)_v ] = softmax(z) * sum_v t_v - t
@@ -52,9 +53,11 @@ class _ChunkedCE(torch.autograd.Function):
         w = weight.to(cd)
         ce = torch.zeros((), dtype=acc, device=h.device)
         correct = torch.zeros((), dtype=torch.int64, device=h.device)
+        ctx.h_dtype = h.dtype
+        h = h.to(cd)  # the matmuls read it in cd: kept so (under autocast bf16, not fp32)
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, h.shape[0], chunk):
-                z = F.linear(h[s : s + chunk].to(cd), w).to(acc)
+                z = F.linear(h[s : s + chunk], w).to(acc)
                 logp = F.log_softmax(z, dim=-1)
                 t = _rows(targets, index, s, chunk)
                 if hard:
@@ -73,18 +76,18 @@ class _ChunkedCE(torch.autograd.Function):
         h, weight, targets, index = ctx.saved_tensors
         cd, acc, chunk = ctx.cd, ctx.acc, ctx.chunk
         w = weight.to(cd)
-        gh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        gh = torch.empty_like(h, dtype=ctx.h_dtype) if ctx.needs_input_grad[0] else None
         gw = torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, h.shape[0], chunk):
-                hc = h[s : s + chunk].to(cd)
+                hc = h[s : s + chunk]
                 z = F.linear(hc, w).to(acc)
                 t = _rows(targets, index, s, chunk)
                 if not ctx.hard:
                     t = soft_targets(t, acc)
                 g = (chunk_logit_grad(z, t, ctx.hard) * grad_ce).to(cd)
                 if gh is not None:
-                    gh[s : s + chunk] = (g @ w).to(h.dtype)
+                    gh[s : s + chunk] = (g @ w).to(gh.dtype)
                 if gw is not None:
                     gw += (g.t() @ hc).to(acc)
         return gh, None if gw is None else gw.to(weight.dtype), None, None, None, None, None

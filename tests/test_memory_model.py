@@ -160,12 +160,12 @@ def test_one_cast_per_input_keeps_autocasts_numerics(monkeypatch: pytest.MonkeyP
 
 # ------------------------------------------------------------------ the step's peak, measured
 MEASURED = Path(__file__).resolve().parents[1] / "docs" / "bench" / "train_step_memory_h200.json"
-PEAK_TOL = 0.06
+PEAK_TOL = 0.05
 
 
 def _measured_peaks() -> list[tuple[dict, float]]:
     """(record, the model's peak in GiB) for every step the H200 ran at the current code."""
-    records = json.loads(MEASURED.read_text())["after"]
+    records = json.loads(MEASURED.read_text())["runs"]["current"]
     out = []
     for r in records:
         assert r["status"] == "ok" and r["passes"] == 3 and r["cp"] == 1, r
@@ -179,10 +179,10 @@ def _measured_peaks() -> list[tuple[dict, float]]:
 
 def test_the_peak_model_is_the_measured_peak() -> None:
     """The step's peak above its inputs (max_memory_allocated on the H200, scripts/
-    bench_cp_train.py) against `step_peak_bytes`: within 6% from 16K to 192K tokens, with
+    bench_cp_train.py) against `step_peak_bytes`: within 5% from 16K to 256K tokens, with
     and without recompute_mlp."""
     got = _measured_peaks()
-    assert {(r["tokens"], r["recompute_mlp"]) for r, _ in got} >= {(131072, False), (196608, True)}
+    assert {(r["tokens"], r["recompute_mlp"]) for r, _ in got} >= {(163840, False), (262144, True)}
     for r, model in got:
         err = model / r["extra_gib"] - 1
         assert abs(err) <= PEAK_TOL, (r["tokens"], r["recompute_mlp"], r["extra_gib"], model)

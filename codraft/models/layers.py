@@ -1,7 +1,9 @@
 """Building blocks shared by the target and the draft: RMSNorm, rotary embedding, SwiGLU MLP.
 
 Numerics follow transformers' Llama implementation (norm computed in fp32, then cast back), so a
-model assembled from these blocks matches transformers' outputs on the same weights.
+model assembled from these blocks matches transformers' outputs on the same weights. Under
+autograd RMSNorm is one Function with its own backward, so that training keeps only the norm's
+input and 1/rms rather than its fp32 intermediates (tests/test_rmsnorm.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,47 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _normed(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x / rms(x) in fp32 (fp64 for fp64 inputs), and 1 / rms(x) [..., 1]."""
+    h = x.to(torch.promote_types(x.dtype, torch.float32))
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return h * rstd, rstd
+
+
+class _RMSNorm(torch.autograd.Function):
+    """weight * (x / rms(x)), the normed value cast to x's dtype before the scale (as
+    transformers' Llama), keeping for backward only x and 1 / rms(x) (or, when x needs no
+    gradient, the normed value the weight's gradient reads). Composed of plain ops, autograd
+    would keep the fp32 copy of x, the fp32 normed value and its cast: 4H + 4H + aH bytes a
+    row where this keeps aH + 4, and x is often kept by its consumer anyway."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):  # type: ignore[override]
+        n, rstd = _normed(x, eps)
+        n = n.to(x.dtype)
+        ctx.eps, ctx.x_needs_grad = eps, ctx.needs_input_grad[0]
+        if ctx.x_needs_grad:
+            ctx.save_for_backward(x, weight, rstd)
+        else:
+            ctx.save_for_backward(n, weight)
+        return weight * n
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        if not ctx.x_needs_grad:
+            n, weight = ctx.saved_tensors
+            gw = (g * n).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
+            return None, gw, None
+        x, weight, rstd = ctx.saved_tensors
+        nf = x.to(rstd.dtype) * rstd
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = (g * nf.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        gn = (g * weight).to(rstd.dtype)  # through the cast to x's dtype as through identity
+        gx = rstd * (gn - nf * (gn * nf).mean(-1, keepdim=True))
+        return gx.to(x.dtype), gw, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -20,10 +63,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.promote_types(dtype, torch.float32))  # fp32, or fp64 for fp64 checks
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        if not torch.is_grad_enabled() or not (x.requires_grad or self.weight.requires_grad):
+            n, _ = _normed(x, self.eps)
+            return self.weight * n.to(x.dtype)
+        return _RMSNorm.apply(x, self.weight, self.eps)
 
 
 def rope_inv_freq(

@@ -109,34 +109,33 @@ def step_saved_bytes_per_token(
     `autocast`: the GPU trainer's bf16 autocast over fp32 weights (activations `a` = 2 bytes);
     False: fp32 throughout (a = 4). Per pass, read off the step's autograd graph:
 
-    * RMSNorm of an input that needs grad: its fp32 copy, 1/rms (4 bytes), the normed value in
-      the input's dtype: ``4H + 4 + aH``; of the embeddings (no grad): only the fp32 normed
-      value, ``4H``;
-    * q, k, v projections: their one input ``2H a`` (under autocast cast to bf16 once, not by
-      each projection: codraft.draft.model); RoPE's cos and sin: ``2 D a``;
+    * RMSNorm (codraft.models.layers) of an input that needs grad: the input itself, and 1/rms
+      (4 bytes): ``aH + 4``, where the input is not kept already; of the embeddings (no
+      grad): only the normed value (fp32, as the embeddings), ``4H``;
+    * the hidden-state norm's input is the pass's input h (fc's output, or the previous
+      pass's): ``aH + 4``; q, k, v projections: their one input ``2H a`` (under autocast cast
+      to bf16 once, not by each projection: codraft.draft.model); RoPE's cos and sin: ``2 D a``;
     * attention (codraft.learner.attention): q and its output ``2 Hq D a``, fp32 lse ``4 Hq``,
       the pass's k and v ``2 Hkv D a`` (the figure `saved_bytes` models, with the CP shards);
     * o_proj: nothing new (its input is the attention output, kept already);
-    * the post-attention RMSNorm ``4H + 4 + aH`` and the MLP: its input ``H a`` (cast once, as
-      the q/k/v input), gate, silu, up and their product ``4 I a``;
-      with `recompute_mlp` those two are replaced by the residual (``H a`` under autocast; in
-      fp32 it is the tensor the first norm keeps);
-    * the loss (codraft.learner.chunked_loss: logits never kept): the valid rows' index (8), the
-      final RMSNorm ``4H + 4 + aH``, the normed rows in fp32 ``4H`` and the index of their
-      teacher rows (8: the loss reads the teacher's logits where they lie); under context
-      parallelism (`cp` > 1) some of those rows come from other ranks, and the loss keeps the
-      gathered copy instead, ``teacher_bytes V_draft``;
+    * the post-attention RMSNorm of the residual ``aH + 4`` and the MLP: its input ``H a``
+      (cast once, as the q/k/v input), gate, silu, up and their product ``4 I a``;
+      with `recompute_mlp` nothing: backward runs them again from the attention output and
+      h, both kept already;
+    * the loss (codraft.learner.chunked_loss: logits never kept): the valid rows' index (8),
+      their h (``aH``) for the final RMSNorm (+ 4), the normed rows in the matmuls' dtype
+      ``aH`` and the index of their teacher rows (8: the loss reads the teacher's logits where
+      they lie); under context parallelism (`cp` > 1) some of those rows come from other
+      ranks, and the loss keeps the gathered copy instead, ``teacher_bytes V_draft``;
 
     and once per step the taps in the activations' dtype for `fc`, ``taps_width a``, unless
     they came in it (bf16 taps under autocast: nothing)."""
     a, H, inter = (2 if autocast else 4), s.hidden, s.intermediate
-    norm = 4 * H + 4 + a * H
+    norm = a * H + 4
     qkv = 2 * H * a
     attention = (2 * s.heads + 2 * s.kv_heads) * s.head_dim * a + 4 * s.heads
-    mlp = norm + H * a + 4 * inter * a
-    if recompute_mlp:
-        mlp = H * a if autocast else 0
-    loss = 8 + norm + 4 * H + (s.teacher_bytes * s.draft_vocab if cp > 1 else 8)
+    mlp = 0 if recompute_mlp else norm + H * a + 4 * inter * a
+    loss = 8 + norm + a * H + (s.teacher_bytes * s.draft_vocab if cp > 1 else 8)
     per_pass = 4 * H + norm + qkv + 2 * s.head_dim * a + attention + mlp + loss
     return passes * per_pass + (s.taps_width * a if s.taps_bytes != a else 0)
 
@@ -156,26 +155,27 @@ def step_peak_bytes(
 
     Per local token: what backward keeps (`step_saved_bytes_per_token`), the teacher's logits
     of the draft vocab that the step computes from the last hidden states (``teacher_bytes
-    V_draft``), and the working set where the peak falls, read off the allocator's history at
-    the peak (scripts/bench_cp_train.py --memory-history, on the H200):
+    V_draft``), and the working set of the moment the peak falls in, the larger of two (read
+    off the allocator's history at the peak, scripts/bench_cp_train.py --memory-history, and
+    fitted to the peaks measured on the H200 from 16K to 256K tokens):
 
-    * without recompute it falls in the loss's backward of the last pass: its gradient of the
-      normed rows, fp32 ``4H``, and a constant, the chunk's fp32 [chunk, V_draft] buffers (the
-      logits, their softmax, the teacher's softmax, the logits' gradient: ``16 chunk V_draft``);
-    * with `recompute_mlp` it falls in a pass's MLP run again in backward: gate, up, silu and
-      their product and two gradients of that width, ``6 I a`` (a = 2), the loss's chunk
-      buffers freed by then.
+    * the loss's backward of the last pass: its fp32 gradient of the normed rows, ``4H``, and
+      a constant, the chunk's fp32 [chunk, V_draft] buffers (the logits, their softmax, the
+      teacher's softmax, the logits' gradient: ``16 chunk V_draft``): the peak at small T;
+    * the MLP's backward of the last pass: the gradients of gate and up, ``2 I a``, and an
+      fp32 H-wide one, ``4H``; with `recompute_mlp` the MLP run again there, gate, up, silu and
+      their product, and two gradients of that width: ``6 I a`` (a = 2).
 
     Checked against every peak measured on the H200 (tests/test_memory_model.py). Under CP the
     ring attention's own transient (`transient_bytes`) is smaller than either working set and
     is left out."""
     t = local_tokens(tokens, cp) if cp > 1 else tokens
-    a = 2
+    a, H, inter = 2, s.hidden, s.intermediate
     per_token = step_saved_bytes_per_token(passes, s, recompute_mlp=recompute_mlp, cp=cp)
     per_token += s.teacher_bytes * s.draft_vocab
-    if recompute_mlp:
-        return t * (per_token + 6 * s.intermediate * a)
-    return t * (per_token + 4 * s.hidden) + 16 * min(loss_chunk, t) * s.draft_vocab
+    loss = t * (per_token + 4 * H) + 16 * min(loss_chunk, t) * s.draft_vocab
+    mlp = t * (per_token + (6 * inter * a if recompute_mlp else 4 * H + 2 * inter * a))
+    return max(loss, mlp)
 
 
 def step_table(
