@@ -1,6 +1,7 @@
 """The online learner on ids-only taps, the target recomputed from the token ids: in one process
-(`--recompute`) and as two pipelines of two stages, one per CP rank (`--pp 2 --cp 2`, four
-ranks under torchrun, gloo), against a real `codraft serve` (vLLM on the CPU, a tiny random
+(`--recompute`) and as two pipelines of two stages, one per CP rank (`--pp 2 --cp 2`) or one
+per data-parallel replica (`--pp 2` on four ranks), under torchrun (gloo), against a real
+`codraft serve` (vLLM on the CPU, a tiny random
 Llama, eager, `--tap-mode ids`, greedy load).
 
 Checked for each: the messages carry no features, the learner trains on them and a draft it
@@ -63,9 +64,9 @@ def _command(kind: str, server: dict, out: Path) -> list[str]:
             *program, *flags]  # fmt: skip
 
 
-# `--pp 2` alone (two ranks) passed here too; this world holds it and adds the lead's batches
-# to the second pipeline and PP x CP, at the suite's cost of one torchrun start
-WORLDS = {"pp2-cp2": (4, ["--pp", "2", "--cp", "2"])}
+# `--pp 2` alone (two ranks) passed here too; these worlds hold it and add a second pipeline:
+# one sharding the lead's batch with it (PP x CP), one training a batch of its own (PP x DP)
+WORLDS = {"pp2-cp2": (4, ["--pp", "2", "--cp", "2"]), "pp2-dp2": (4, ["--pp", "2"])}
 
 
 @pytest.mark.parametrize("kind", ["recompute", *WORLDS])
