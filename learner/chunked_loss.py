@@ -6,8 +6,8 @@ would keep them (with their fp32 log-softmax) for backward, K times a step: at 1
 log-softmax and the loss `chunk` rows at a time inside one autograd Function that keeps only
 its inputs (the normed hidden states, cast once to the matmuls' dtype, lm_head's weight, the
 targets: with `index`, the rows of a targets tensor the caller holds anyway, so no copy of
-them); backward computes each
-chunk's logits again and from them the gradients of the hidden states and of the weight:
+them); backward computes each chunk's logits again and from them the gradients of the hidden
+states and of the weight:
 
     d/dz [ -sum_v t_v log softmax(z)_v ] = softmax(z) * sum_v t_v - t
 

@@ -33,7 +33,7 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x, weight, eps):  # type: ignore[override]
         n, rstd = _normed(x, eps)
         n = n.to(x.dtype)
-        ctx.eps, ctx.x_needs_grad = eps, ctx.needs_input_grad[0]
+        ctx.x_needs_grad = ctx.needs_input_grad[0]
         if ctx.x_needs_grad:
             ctx.save_for_backward(x, weight, rstd)
         else:
