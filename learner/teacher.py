@@ -205,12 +205,6 @@ class Teacher:
             out[a : a + len(x)] = F.linear(x, w)
         return out.view(*last_hidden.shape[:-1], w.shape[0])
 
-    @torch.no_grad()
-    def draft_targets(self, last_hidden: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
-        """Teacher distributions over the draft vocab, fp32 [..., Vd]:
-        softmax(target_logits[..., t2d]) (`draft_logits`, softmaxed in fp32)."""
-        return self.draft_logits(last_hidden, t2d).float().softmax(-1)
-
     # ------------------------------------------------------------------ recompute
     def _need_target(self) -> TargetModel:
         if self.target is None:
