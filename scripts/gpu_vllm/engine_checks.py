@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -199,11 +200,21 @@ def run_job(kind: str, job: dict, work: Path, timeout: float) -> dict:
     spec.write_text(json.dumps(job))
     out.unlink(missing_ok=True)
     with open(log, "w") as f:
-        proc = subprocess.run(
+        # A session of its own: the worker leaves with os._exit, and the engine's own processes
+        # (EngineCore, VllmWorker) would outlive it holding their memory; the group goes with it.
+        proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", kind, str(spec), str(out)],
-            stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout,
+            stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
             env={**os.environ, "PYTHONFAULTHANDLER": "1"},
         )  # fmt: skip
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
     if proc.returncode != 0 or not out.exists():
         tail = log.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"{job['name']} failed (exit {proc.returncode}):\n{tail}")
