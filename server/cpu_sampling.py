@@ -20,11 +20,11 @@ with Triton, and once vLLM's own stand-in is right.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
 log = logging.getLogger(__name__)
-KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 
 
 def expand_kernel_impl(
@@ -48,7 +48,7 @@ def expand_kernel_impl(
     output[:total] = values.repeat_interleave(counts, output_size=total).to(output.dtype)
 
 
-def expands(impl) -> bool:
+def expands(impl: Callable[..., object]) -> bool:
     """Whether `impl` (an expand kernel's stand-in) writes a float32 expansion into its output."""
     out = torch.full((3,), -7.0)
     try:
