@@ -1,8 +1,9 @@
 """A draft checkpoint's weights, read once and hashed while the caller checks and stages them.
 
 `read_checked(root, expect, pool)` does the checks of `codraft.draft.load_draft` (config,
-sidecar, contract, safetensors header and file length, tensor names/shapes/dtypes, d2t/t2d) on
-one read of `model.safetensors`, whose bytes are the ones the returned tensors view (no copy).
+sidecar, contract, safetensors header and file length, tensor names/shapes/dtypes, d2t/t2d,
+finite weights) on one read of `model.safetensors`, whose bytes are the ones the returned
+tensors view (no copy).
 What makes it fast:
 
 - The file is read in chunks into one buffer, and each chunk goes to a hashing thread as soon as
@@ -215,6 +216,7 @@ def read_checked(
             tensors[name] = flat.view(shape)
         if not cfg.full_vocab:
             ckpt._check_maps(tensors["d2t"], tensors["t2d"], cfg, weights)
+        ckpt._check_finite(tensors, weights)
     except DraftCheckpointError:
         try:
             checked.verify_sha()  # a checksum error comes first, as in codraft.draft.checkpoint

@@ -6,6 +6,7 @@ import copy
 import json
 import math
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -39,6 +40,7 @@ from codraft.draft import (
     save_draft,
     sha256_file,
 )
+from codraft.draft.checkpoint import MAX_HEADER_BYTES
 
 
 def tiny_cfg(**kw) -> DraftConfig:
@@ -562,16 +564,79 @@ def _truncate(path: Path, n: int) -> None:
     path.write_bytes(data[:-n])
 
 
-@pytest.mark.parametrize("reader", ["check", "load"])
-@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+def _oversized_header(path: Path) -> None:
+    """A valid safetensors file whose header is padded past the draft limit."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    pad = MAX_HEADER_BYTES + 1 - n
+    header = data[8 : 8 + n] + b" " * pad
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data[8 + n :])
+
+
+def _link_out(root: Path) -> None:
+    """model.safetensors replaced by a link to a copy outside the folder (the sha matches)."""
+    outside = root.parent / "elsewhere.safetensors"
+    outside.write_bytes((root / "model.safetensors").read_bytes())
+    (root / "model.safetensors").unlink()
+    (root / "model.safetensors").symlink_to(outside)
+
+
+def _poison(value: float):
+    def edit(t: dict) -> None:
+        t["midlayer.mlp.up_proj.weight"][3, 5] = value
+
+    return edit
+
+
+CORRUPTIONS.update(
+    {
+        "oversized header": (
+            lambda r: _oversized_header(r / "model.safetensors"),
+            r"safetensors header of 1048577 bytes; a draft checkpoint's header is at most "
+            r"1048576 bytes",
+        ),
+        "link out of the folder": (
+            _link_out,
+            r"model.safetensors: is a link to .*elsewhere.safetensors, outside the checkpoint",
+        ),
+    }
+)
+# Values are read by load_draft and the server's reader, not by check_draft (header only).
+BAD_VALUES = {
+    "nan weight": (
+        lambda r: _rewrite_weights(r, _poison(float("nan"))),
+        r"tensor midlayer.mlp.up_proj.weight holds 1 NaN and 0 infinite values",
+    ),
+    "inf weight": (
+        lambda r: _rewrite_weights(r, _poison(float("-inf"))),
+        r"tensor midlayer.mlp.up_proj.weight holds 0 NaN and 1 infinite values",
+    ),
+}
+
+
+def _read(root: Path) -> None:
+    """The server's reader (codraft.server.draft_read): every check, then the checksum."""
+    from codraft.server.draft_read import read_checked
+
+    checked = read_checked(root)
+    try:
+        checked.verify_sha()
+    finally:
+        checked.release()
+
+
+READERS = {"check": check_draft, "load": load_draft, "read": _read}
+
+
+@pytest.mark.parametrize("reader", sorted(READERS))
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS) + sorted(BAD_VALUES))
 def test_corrupt_checkpoint_refused(saved: Path, case: str, reader: str) -> None:
-    corrupt, message = CORRUPTIONS[case]
+    if case in BAD_VALUES and reader == "check":
+        pytest.skip("check_draft reads the header only, not the weights' values")
+    corrupt, message = CORRUPTIONS.get(case) or BAD_VALUES[case]
     corrupt(saved)
     with pytest.raises(DraftCheckpointError, match=message):
-        if reader == "check":
-            check_draft(saved)
-        else:
-            load_draft(saved)
+        READERS[reader](saved)
 
 
 def test_contract_mismatches_named(saved: Path) -> None:

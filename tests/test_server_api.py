@@ -15,6 +15,7 @@ import json
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from codraft.draft.checkpoint import sha256_file
+from codraft.draft.checkpoint import MAX_HEADER_BYTES, sha256_file
 from codraft.draft.init import write_new_draft
 from codraft.server.offline import ArmSpec, run_arm_subprocess
 from codraft.server.serve import ServeProcess, free_port
@@ -404,6 +405,12 @@ def test_swap_every_second_under_16_streaming_clients(
 
 
 # ------------------------------------------------------------------------------ bad drafts
+def _resave_sha(ckpt: Path) -> None:
+    meta = json.loads((ckpt / "codraft.json").read_text())
+    meta["weights_sha256"] = sha256_file(ckpt / "model.safetensors")
+    (ckpt / "codraft.json").write_text(json.dumps(meta))
+
+
 def _resave(ckpt: Path, mutate) -> Path:
     """Change the weights of `ckpt` and record the new file's sha256 (so only `mutate` is
     wrong)."""
@@ -411,9 +418,7 @@ def _resave(ckpt: Path, mutate) -> Path:
     tensors = load_file(str(weights))
     mutate(tensors)
     save_file(tensors, str(weights), metadata={"format": "pt"})
-    meta = json.loads((ckpt / "codraft.json").read_text())
-    meta["weights_sha256"] = sha256_file(weights)
-    (ckpt / "codraft.json").write_text(json.dumps(meta))
+    _resave_sha(ckpt)
     return ckpt
 
 
@@ -442,7 +447,32 @@ def test_bad_checkpoints_are_refused_and_the_old_draft_keeps_serving(
     meta = json.loads((checksum / "codraft.json").read_text())
     meta["weights_sha256"] = "0" * 64
     (checksum / "codraft.json").write_text(json.dumps(meta))
+
+    def poison(value: float):
+        def edit(t: dict) -> None:
+            t["midlayer.mlp.down_proj.weight"][0, 0] = value
+
+        return edit
+
+    oversized = good("oversized-header")
+    w = oversized / "model.safetensors"
+    data = w.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = data[8 : 8 + n] + b" " * (MAX_HEADER_BYTES + 1 - n)
+    w.write_bytes(struct.pack("<Q", len(header)) + header + data[8 + n :])
+    _resave_sha(oversized)
+    linked = good("linked")
+    outside = bad / "outside.safetensors"
+    (linked / "model.safetensors").rename(outside)
+    (linked / "model.safetensors").symlink_to(outside)
+    no_config = good("no-config")
+    (no_config / "config.json").unlink()
     cases = {
+        "NaN weight": (_resave(good("nan"), poison(float("nan"))), v, None, 422),
+        "Inf weight": (_resave(good("inf"), poison(float("inf"))), v, None, 422),
+        "oversized header": (oversized, v, None, 422),
+        "link out of the folder": (linked, v, None, 422),
+        "no config": (no_config, v, None, 422),
         "wrong shapes": (_resave(good("shapes"), fc_wrong), v, None, 422),
         "wrong tap layers": (good("taps", tap_layers=(0, 1, 2)), v, None, 422),
         "wrong vocab": (good("vocab", draft_vocab_size=64), v, None, 422),

@@ -55,7 +55,9 @@ _ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "U8": (torch.uint8, 1),
     "BOOL": (torch.bool, 1),
 }
-_MAX_HEADER = 100 * 1024 * 1024
+# A draft's safetensors header names ~15 tensors in about 2 KB; a header larger than this is
+# refused before it is read (safetensors itself allows 100 MB).
+MAX_HEADER_BYTES = 1 << 20
 
 
 class DraftCheckpointError(ValueError):
@@ -304,12 +306,20 @@ def _read_config_and_meta(
 ) -> tuple[DraftConfig, DraftMeta]:
     if not root.is_dir():
         _fail(root, "checkpoint directory not found" if not root.exists() else "not a directory")
+    real_root = root.resolve()
     for name in (CONFIG_NAME, WEIGHTS_NAME, META_NAME):
         if not (root / name).is_file():
             _fail(
                 root,
                 f"missing file {name} (a codraft draft checkpoint holds "
                 f"{CONFIG_NAME}, {WEIGHTS_NAME} and {META_NAME})",
+            )
+        real = (root / name).resolve()
+        if real.parent != real_root:
+            _fail(
+                root / name,
+                f"is a link to {real}, outside the checkpoint folder {real_root}; a checkpoint's "
+                "files must lie in its folder (copy the file instead of linking it)",
             )
     try:
         cfg = DraftConfig.from_hf_dict(_read_json(root / CONFIG_NAME))
@@ -340,7 +350,13 @@ def _read_header(f: BinaryIO, size: int, where: Path) -> Header:
     if len(head) < 8:
         _fail(where, f"truncated or not a safetensors file: {size} bytes, need at least 8")
     (n,) = struct.unpack("<Q", head)
-    if n > _MAX_HEADER or 8 + n > size:
+    if n > MAX_HEADER_BYTES and 8 + n <= size:
+        _fail(
+            where,
+            f"safetensors header of {n} bytes; a draft checkpoint's header is at most "
+            f"{MAX_HEADER_BYTES} bytes (about 2 KB is usual): not a codraft draft, or corrupt",
+        )
+    if 8 + n > size:
         _fail(
             where,
             f"truncated or not a safetensors file: header length {n} does not fit "
@@ -431,11 +447,22 @@ def _check_maps(d2t: torch.Tensor, t2d: torch.Tensor, cfg: DraftConfig, where: P
         _fail(where, f"d2t/t2d inconsistent: {e}")
 
 
+def _check_finite(tensors: dict[str, torch.Tensor], where: Path) -> None:
+    """Every float weight finite: a NaN or Inf would make every proposal garbage (or NaN
+    logits in the engine)."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            _fail(where, f"tensor {name} holds {nan} NaN and {inf} infinite values")
+
+
 def check_draft(
     path: str | os.PathLike, expect: DraftContract | None = None
 ) -> tuple[DraftConfig, DraftMeta]:
     """Validate a checkpoint (files, config, sidecar, contract, header, sha256, tensor names,
-    shapes, dtypes, d2t/t2d) without building the model. Raises DraftCheckpointError."""
+    shapes, dtypes, d2t/t2d) without building the model or reading the float weights (so
+    not whether they are finite: `load_draft` and the server's swap check that too). Raises
+    DraftCheckpointError."""
     root = Path(path)
     cfg, meta = _read_config_and_meta(root, expect)
     weights = root / WEIGHTS_NAME
@@ -479,6 +506,7 @@ def load_draft(
     if cfg.full_vocab:
         tensors["d2t"], tensors["t2d"] = identity_maps(cfg.draft_vocab_size, cfg.vocab_size)
     _check_maps(tensors["d2t"], tensors["t2d"], cfg, weights)
+    _check_finite(tensors, weights)
     model = Eagle3Draft(cfg, dtype=dtype, device="meta")
     model.load_state_dict(tensors, strict=True, assign=True)
     return model.to(device), meta
