@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from codraft.learner.checkpoints import newest_good
 from codraft.learner.data.packing import Sample, pack_stream
 from codraft.learner.parallel.context import ContextParallel
 from codraft.learner.parallel.launch import ParallelConfig, init_distributed, my_batches, shutdown
@@ -83,7 +84,7 @@ def train_from_dir(cfg: OfflineConfig, *, target_config: TargetConfig | None = N
     parallel = ContextParallel(mesh) if mesh.dims.world_size > 1 else None
     train = replace(cfg.train, device=str(device))
     main = mesh.is_main
-    fresh = not (out / "latest").exists()
+    fresh = newest_good(out) is None
     counts = token_counts(data, tcfg.vocab_size, expect) if fresh else None
     trainer = Trainer(
         target, out, train, token_counts=counts, parallel=parallel, target_config=tcfg

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from codraft.draft.model import Eagle3Draft
+from codraft.learner.checkpoints import newest_good
 from codraft.learner.data.packing import PackedBatch, pack_stream
 from codraft.learner.offline import OfflineConfig, samples, tap_expectation, token_counts
 from codraft.learner.parallel.batch_broadcast import broadcast_batch
@@ -299,7 +300,7 @@ def train_pipeline(
     expect = tap_expectation(tcfg)
     out, data = Path(run.out), Path(run.data_dir)
     counts = None
-    if mesh.pp_rank == mesh.dims.pp - 1 and not (out / "latest").exists():
+    if mesh.pp_rank == mesh.dims.pp - 1 and newest_good(out) is None:
         counts = token_counts(data, tcfg.vocab_size, expect)
     learner = PipelineLearner.load(
         target, out, run.train, pipeline, mesh, device, counts, target_config=tcfg

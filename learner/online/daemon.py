@@ -11,14 +11,16 @@ does what rank 0 does otherwise. The loop (ingest and HTTP in background threads
 2. once `min_buffer_tokens` are buffered, the first draft is built: the serving draft's geometry
    (read from its checkpoint when this machine can see it, else the configured one) with a
    vocabulary of the most frequent completion tokens seen so far; or, after a restart, the newest
-   checkpoint in --out is resumed (model, optimizer, step) and versions keep increasing;
+   whole checkpoint in --out is resumed (model, optimizer, step; a damaged one is skipped,
+   codraft.learner.checkpoints) and versions keep increasing;
 3. each step trains on random buffered documents (Trainer.step);
 4. every `publish_every_steps` the candidate is evaluated on held-out captured requests (offline
    acceptance estimate, codraft.learner.acceptance) against the draft the server is serving, and
    only a candidate that is not worse (within `accept_margin`) is checkpointed (atomically) and
    published; versions are numbered above whatever the server reports. The publish runs in a
    background thread (codraft.learner.online.publish_thread) while training goes on; its outcome is
-   applied in the loop, and a stopping learner lets the last publish finish.
+   applied in the loop, and a stopping learner lets the last publish finish. A checkpoint that
+   cannot be written (a full disk) is logged and counted; nothing is published until one is.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,6 +45,7 @@ from codraft.draft.config import DraftConfig
 from codraft.draft.model import Eagle3Draft
 from codraft.draft.vocab import build_draft_vocab
 from codraft.learner.acceptance import estimate_acceptance
+from codraft.learner.checkpoints import newest_good
 from codraft.learner.data.packing import PackedBatch, Sample, pack
 from codraft.learner.online.buffer import BufferPolicy, SampleBuffer
 from codraft.learner.online.feed import (
@@ -144,6 +149,7 @@ class OnlineLearner:
         # the lead, pipelines: the held-out requests a publish waits on (the EVAL command)
         self._eval_held: list[Sample] = []
         self._saved_step = 0  # the step of the newest checkpoint written or resumed
+        self._resume_from: bool | None = None  # whether --out has a whole checkpoint
         self._saved_policy = 0  # the newest policy version in that checkpoint's data
         self._waited = 0.0  # seconds this rank waited for its next step
         self.trainer: Trainer | None = None
@@ -232,7 +238,7 @@ class OnlineLearner:
             self._export_gauges()
             self._apply_published()
             if self.trainer is None:
-                if (Path(self.cfg.out) / "latest").exists():
+                if self._resumable():
                     return RESUME
                 if self.buffer.tokens >= self.cfg.min_buffer_tokens:
                     return START
@@ -250,6 +256,37 @@ class OnlineLearner:
         self._waited += seconds
         self.metrics.wait_seconds.inc(seconds)
 
+    def _resumable(self) -> bool:
+        """Whether --out holds a whole checkpoint to resume from (looked up once)."""
+        if self._resume_from is None:
+            self._resume_from = newest_good(self.cfg.out) is not None
+        return self._resume_from
+
+    def _checkpoint(self, **kwargs: Any) -> Path | None:
+        """`trainer.save`, or None when the write failed (a full disk, a lost volume): the
+        error is logged and counted, the checkpoint before stays the newest, its version is
+        not used up, and training goes on (the next publish tries again)."""
+        trainer = self.trainer
+        version = trainer.draft_version
+        try:
+            ckpt = trainer.save(**kwargs)
+        except Exception as e:  # torch.save reports a full disk as a RuntimeError
+            trainer.draft_version = version
+            self.metrics.checkpoint_failures.inc()
+            try:
+                free = f"{shutil.disk_usage(self.cfg.out).free} bytes free"
+            except OSError:
+                free = "free space unknown"
+            log.error(
+                "checkpoint of step %d not written to %s (%s: %s; %s): nothing is published "
+                "until a checkpoint is written; the newest checkpoint stays %s",
+                trainer.step_count, self.cfg.out, type(e).__name__, e, free,
+                newest_good(self.cfg.out),
+            )  # fmt: skip
+            return None
+        self._saved_step = trainer.step_count
+        return ckpt
+
     def _save_on_stop(self) -> None:
         """A stopping learner keeps what it trained since its last checkpoint (not published:
         the next publish takes a newer version)."""
@@ -258,8 +295,7 @@ class OnlineLearner:
             return
         if trainer.step_count != self._saved_step:
             self._saved_policy = self.buffer.newest_policy
-            trainer.save(policy_version=self._saved_policy)
-            self._saved_step = trainer.step_count
+            self._checkpoint(policy_version=self._saved_policy)
         log.info("stopped at step %d: checkpoint v%d", trainer.step_count, trainer.draft_version)
 
     def _should_stop(self) -> bool:
@@ -309,13 +345,14 @@ class OnlineLearner:
         if self.pipelined:
             self._start_pipeline(resume, serving_cfg, serving_path)
         elif resume:
-            if not (out / "latest").exists():
+            good = newest_good(out)
+            if good is None:
                 raise RuntimeError(
-                    f"rank {self.mesh.rank} finds no checkpoint in {out}, which rank 0 resumes "
-                    "from: --out must be a folder every learner rank sees (a shared volume)"
+                    f"rank {self.mesh.rank} finds no whole checkpoint in {out}, which rank 0 "
+                    "resumes from: --out must be a folder every learner rank sees (a shared "
+                    "volume)"
                 )
-            latest = out / (out / "latest").read_text().strip() / "draft"
-            draft, _ = load_draft(latest)
+            draft, _ = load_draft(good / "draft")
         else:
             first = self._first_draft(serving_cfg, serving_path) if self.main else None
             draft = self.feed.share_draft(first)
@@ -353,7 +390,9 @@ class OnlineLearner:
         trainer, from --out's newest checkpoint or its new draft. Collective."""
         draft, out = None, Path(self.cfg.out)
         if resume and self.mesh.pp_rank == self.mesh.dims.pp - 1:
-            draft, _ = load_draft(out / (out / "latest").read_text().strip() / "draft")
+            good = newest_good(out)
+            assert good is not None, f"rank 0 resumes from {out}, where this rank finds nothing"
+            draft, _ = load_draft(good / "draft")
         elif not resume:
             first = self._first_draft(serving_cfg, serving_path) if self.main else None
             draft = self.feed.share_draft(first)  # the other stages drop theirs
@@ -517,10 +556,11 @@ class OnlineLearner:
             self.metrics.candidates_skipped.inc()
             return False
         self._saved_policy = self.buffer.newest_policy
-        ckpt = trainer.save(
+        ckpt = self._checkpoint(
             counters={"est_acceptance": cand or 0.0}, policy_version=self._saved_policy
         )
-        self._saved_step = trainer.step_count
+        if ckpt is None:
+            return False
         job = PublishJob(
             trainer.draft_dir(ckpt),
             trainer.draft_version,

@@ -29,6 +29,11 @@ class LearnerMetrics:
         self.publish_seconds = Gauge(
             "codraft_learner_publish_seconds", "last publish: prepare, staging, commit", registry=r
         )
+        self.checkpoint_failures = Counter(
+            "codraft_learner_checkpoint_failures",
+            "checkpoints that could not be written (full disk, lost volume)",
+            registry=r,
+        )
         self.candidates_skipped = Counter(
             "codraft_learner_candidates_skipped", "candidates worse than serving", registry=r
         )
