@@ -148,6 +148,7 @@ def start_server(
         endpoint,
         "--control-token-file",
         str(out / "token"),
+        "--no-resume-draft",  # every run starts from the draft it names
     ]
     return ServeProcess.start(argv, out / log, env=env)
 

@@ -29,6 +29,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -38,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from codraft.server.auth import ControlError, bearer_auth, control_error_response
+from codraft.server.committed import write_record
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class ControlSettings:
     commit_poll_s: float = 0.005  # a draft swap asks this often whether its draft is prepared
     max_body_bytes: int = 8192
     checkpoint_root: str | None = None  # if set, loaded paths must resolve inside it
+    committed_file: str | None = None  # where the serving draft is recorded (server.committed)
 
 
 # ------------------------------------------------------------------------- request bodies
@@ -101,6 +104,83 @@ class TapUpdateRequest(_Body):
 
 
 B = TypeVar("B", bound=_Body)
+
+
+# ------------------------------------------------------------------------- replies (documented)
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorReply(BaseModel):
+    detail: str
+
+
+class DraftReply(_Reply):
+    """The serving draft (and whatever else the engine reports with it)."""
+
+    version: int | None
+    sha256: str | None = None
+    path: str | None = None
+    loaded_at: str | None = None
+    tap_layers: list[int] | None = None
+
+
+class PrepareReply(_Reply):
+    ticket: str
+    path: str
+    version: int | None
+    state: Literal["preparing"]
+
+
+class StagedReply(_Reply):
+    ticket: str
+    path: str
+    state: Literal["preparing", "ready", "failed"]
+
+
+class PolicyReply(_Reply):
+    version: int | None
+
+
+class TapReply(_Reply):
+    enabled: bool | None = None
+    mode: str | None = None
+
+
+_STATUS_TEXT = {
+    401: "no or a wrong bearer token",
+    403: "the path lies outside the checkpoint root",
+    404: "no such checkpoint (or nothing staged)",
+    409: "not newer than the serving version, or no previous draft",
+    413: "request body over the limit",
+    422: "malformed body, or a checkpoint that fails its checks",
+    500: "loaded, but a step after the load failed",
+    502: "the engine's reply was unusable",
+    503: "the engine is dead, or another swap holds the lock too long",
+    504: "the engine did not answer in time",
+}
+
+
+def _documented(
+    reply: type[BaseModel], *codes: int, body: type[_Body] | None = None, ok: int = 200
+) -> dict[str, Any]:
+    """Route keywords that put the reply, the error statuses and the body in the OpenAPI
+    schema. Bodies are parsed by `read_body` (after the token check), not by FastAPI, so the
+    schema is given as openapi_extra."""
+    common = (401, 422, 502, 503, 504) + ((413,) if body is not None else ())
+    responses: dict[int | str, Any] = {ok: {"model": reply}}
+    for code in sorted(set(common + codes)):
+        responses[code] = {"model": ErrorReply, "description": _STATUS_TEXT[code]}
+    kw: dict[str, Any] = {"response_model": None, "responses": responses, "status_code": ok}
+    if body is not None:
+        schema = body.model_json_schema()
+        kw["openapi_extra"] = {
+            "requestBody": {
+                "required": body is not RollbackRequest,
+                "content": {"application/json": {"schema": schema}},
+            }
+        }
+    return kw
 
 
 def _loc(err: dict[str, Any]) -> str:
@@ -150,6 +230,7 @@ class EngineControl:
         self._epoch = 0  # bumped by every swap, so a slower refresh never undoes it
         self.draining = False  # set on SIGTERM: /ready answers 503 while requests drain
         self._refresher: asyncio.Task | None = None
+        self._recorded: tuple | None = None  # the draft last written to committed_file
 
     async def rpc(self, method: str, timeout: float | None = None, **kwargs: Any) -> dict:
         """Rank 0's reply to `method(**kwargs)`; ControlError for failures of any kind."""
@@ -188,8 +269,24 @@ class EngineControl:
         draft, policy = reply.get("draft"), reply.get("policy")
         if isinstance(draft, dict) and "version" in draft:
             self.draft_version = draft["version"]
+            self._record(draft)
         if isinstance(policy, dict) and "version" in policy:
             self.policy_version = policy["version"]
+
+    def _record(self, draft: dict) -> None:
+        """Record a new serving draft (before a swap's reply goes out), so that a restart serves
+        it. A failed write is logged: the swap itself has happened."""
+        key = (draft.get("version"), draft.get("sha256"), draft.get("path"))
+        if self.settings.committed_file is None or key == self._recorded or None in key:
+            return
+        try:
+            write_record(Path(self.settings.committed_file), draft)
+            self._recorded = key
+        except OSError as e:
+            log.error(
+                "draft v%s serves but could not be recorded in %s (%s): a restart would serve "
+                "an older draft", key[0], self.settings.committed_file, e,
+            )  # fmt: skip
 
     async def info(self) -> dict:
         epoch = self._epoch
@@ -354,12 +451,12 @@ class ControlRoute(APIRoute):
 def control_router(control: EngineControl, auth: Callable[..., Awaitable[None]]) -> APIRouter:
     r = APIRouter(dependencies=[Depends(auth)], tags=["codraft control"], route_class=ControlRoute)
 
-    @r.get("/v1/draft")
+    @r.get("/v1/draft", **_documented(DraftReply))
     async def get_draft() -> dict:
         """The loaded draft: version, sha256, path, loaded_at, tap layers, acceptance stats."""
         return await draft_state(control)
 
-    @r.post("/v1/draft")
+    @r.post("/v1/draft", **_documented(DraftReply, 403, 404, 409, body=DraftLoadRequest))
     async def post_draft(request: Request) -> dict:
         """Load a new draft {version, path, sha256}: 409 not newer, 422 contract or checksum,
         404 missing; the previous draft keeps serving on every failure. A draft staged by POST
@@ -370,7 +467,10 @@ def control_router(control: EngineControl, auth: Callable[..., Awaitable[None]])
         reply = await control.swap_draft(path, body.version, body.sha256)
         return {**reply["draft"], "timing_ms": reply["timing_ms"]}
 
-    @r.post("/v1/draft/prepare", status_code=202)
+    @r.post(
+        "/v1/draft/prepare",
+        **_documented(PrepareReply, 403, 404, 409, body=DraftPrepareRequest, ok=202),
+    )
     async def prepare_draft(request: Request) -> dict:
         """Stage a draft ahead {path, version?, sha256?}: 202 with a ticket at once, then the
         server reads, hashes, checks and stages it in the background; a later POST /v1/draft
@@ -382,21 +482,21 @@ def control_router(control: EngineControl, auth: Callable[..., Awaitable[None]])
         path = checked_path(control, body.path)
         return await control.prepare_draft(path, body.version, body.sha256)
 
-    @r.get("/v1/draft/prepare")
+    @r.get("/v1/draft/prepare", **_documented(StagedReply, 404))
     async def staged_draft() -> dict:
         """The staged draft: ticket, path, version, state (preparing, ready, failed), status and
         error when it failed, timing_ms when ready; 404 when none is staged."""
         reply = await control.rpc("codraft_staged_draft", timeout=control.settings.probe_timeout_s)
         return reply["staged"]
 
-    @r.post("/v1/draft/rollback")
+    @r.post("/v1/draft/rollback", **_documented(DraftReply, 409, body=RollbackRequest))
     async def rollback_draft(request: Request) -> dict:
         """Go back to the previous draft; 409 when there is none."""
         body = await read_body(request, RollbackRequest, empty_ok=True)
         reply = await control.swap("codraft_rollback_draft", reason=body.reason)
         return reply["draft"]
 
-    @r.post("/v1/policy")
+    @r.post("/v1/policy", **_documented(PolicyReply, 403, 404, 409, 500, body=PolicyLoadRequest))
     async def post_policy(request: Request) -> dict:
         """Load new target (policy) weights {version, path}."""
         body = await read_body(request, PolicyLoadRequest)
@@ -415,7 +515,7 @@ def control_router(control: EngineControl, auth: Callable[..., Awaitable[None]])
                 ) from e
         return reply["policy"]
 
-    @r.get("/v1/tap")
+    @r.get("/v1/tap", **_documented(TapReply))
     async def get_tap() -> dict:
         """The tap settings and its counters."""
         info, stats = await asyncio.gather(
@@ -423,7 +523,7 @@ def control_router(control: EngineControl, auth: Callable[..., Awaitable[None]])
         )
         return {**(info.get("tap") or {}), "stats": stats.get("tap") or {}}
 
-    @r.put("/v1/tap")
+    @r.put("/v1/tap", **_documented(TapReply, body=TapUpdateRequest))
     async def put_tap(request: Request) -> dict:
         """Change any of {enabled, mode, sample_rate, endpoint}; the others stay."""
         body = await read_body(request, TapUpdateRequest)
@@ -468,8 +568,33 @@ def probe_router(control: EngineControl, paths: Iterable[str] = ("/health", "/re
 
     for path, fn in (("/health", health), ("/ready", ready)):
         if path in wanted:
-            r.add_api_route(path, fn, methods=["GET"])
+            r.add_api_route(
+                path, fn, methods=["GET"], response_model=None,
+                responses={503: {"description": "not alive, or not ready"}},
+            )  # fmt: skip
     return r
+
+
+def document_security(app: FastAPI, token: str | None) -> None:
+    """With a token configured, the OpenAPI schema names the bearer scheme on every control
+    route (so that clients and API fuzzers send it, and can check it is enforced)."""
+    if token is None:
+        return
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            schema.setdefault("components", {})["securitySchemes"] = {
+                "controlToken": {"type": "http", "scheme": "bearer"}
+            }
+            for path in CONTROL_PATHS:
+                for operation in schema.get("paths", {}).get(path, {}).values():
+                    operation["security"] = [{"controlToken": []}]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 # ------------------------------------------------------------------------- body limit

@@ -41,8 +41,10 @@ from codraft.server.api import (
     ControlSettings,
     EngineControl,
     add_outer_middleware,
+    document_security,
     install_control,
 )
+from codraft.server.committed import choose_draft, record_path
 from codraft.server.guard import SeedGuard, seeded_requests_crash
 from codraft.server.serve_config import (
     ServeConfig,
@@ -153,9 +155,10 @@ def build_control_app(control: EngineControl, token: str | None, metrics: Any) -
 
     from codraft.server.metrics import install_metrics
 
-    app = FastAPI(title="codraft control", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="codraft control", docs_url=None, redoc_url=None)  # /openapi.json
     install_control(app, control, token, probes=("/health", "/ready"))
     install_metrics(app, metrics)
+    document_security(app, token)
     return app
 
 
@@ -218,7 +221,11 @@ async def serve(cfg: ServeConfig, args: argparse.Namespace, token: str | None) -
         csock = api.create_server_socket(caddr, reuse_port=False)
     control_server = control_task = None
     async with api.build_async_engine_client(args) as engine:
-        control = EngineControl(engine, ControlSettings(checkpoint_root=cfg.checkpoint_root))
+        settings = ControlSettings(
+            checkpoint_root=cfg.checkpoint_root,
+            committed_file=str(record_path(cfg.work_dir, Path(args.model))),
+        )
+        control = EngineControl(engine, settings)
         await _check_engine_side(control, cfg)
         metrics = MetricsEndpoint(control)
 
@@ -313,6 +320,8 @@ def main(cfg: ServeConfig) -> int:
             log.warning("no control token configured: control routes are open on loopback")
         model = resolve_model(cfg.model)
         draft = resolve_draft(cfg, model)
+        if cfg.resume_draft:
+            draft = choose_draft(record_path(cfg.work_dir, model), draft)
     except (ValueError, FileNotFoundError) as e:
         print(f"codraft serve: {e}", file=sys.stderr)
         return 2

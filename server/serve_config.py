@@ -44,8 +44,9 @@ class ServeConfig:
     control_port: int | None = None  # None: control routes on the OpenAI port
     dtype: str = "auto"
     max_model_len: int | None = 4096
-    work_dir: str = "runs/serve"  # where a draft built here is written
+    work_dir: str = "runs/serve"  # a draft built here, the committed-draft record
     checkpoint_root: str | None = None  # if set, POSTed draft/policy paths must lie inside it
+    resume_draft: bool = True  # a restart serves the newest committed draft (server.committed)
     worker_extension_cls: str = "codraft.server.worker_ext.CodraftWorkerExtension"
     vllm_args: list[str] = field(default_factory=list)  # passed through to vLLM
 
@@ -118,11 +119,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control-port", type=int, default=None, help="serve control on its own port")
     p.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    p.add_argument("--work-dir", default=d.work_dir, help="where a draft built here goes")
+    p.add_argument(
+        "--work-dir", default=d.work_dir, help="a draft built here, the committed-draft record"
+    )
     p.add_argument(
         "--checkpoint-root",
         default=None,
         help="only load drafts and policies from inside this folder (symlinks resolved)",
+    )
+    p.add_argument(
+        "--resume-draft",
+        action=argparse.BooleanOptionalAction,
+        default=d.resume_draft,
+        help="serve the newest draft this server committed before it stopped, when newer than "
+        "--draft (recorded under --work-dir)",
     )
     p.add_argument("--worker-extension-cls", default=d.worker_extension_cls, help=argparse.SUPPRESS)
 

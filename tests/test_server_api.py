@@ -18,6 +18,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,7 @@ def _serve_args(target: Path, draft: Path, *extra: str) -> list[str]:
         "--num-speculative-tokens", str(K),
         "--max-num-seqs", "16",
         "--enforce-eager",  # compiled engines: test_server_engine.py; here, start-up time
+        "--work-dir", f"{draft}-serve",  # the committed-draft record, one per server
         *extra,
     ]  # fmt: skip
 
@@ -120,6 +122,7 @@ def stack(tiny_llama_dir: Path, work: Path):
             server,
             dict(zip(PROMPTS, ref.token_ids, strict=True)),
             dict(zip(PROMPTS, ref.texts, strict=True)),
+            args,
         )
     finally:
         server.stop()
@@ -671,6 +674,52 @@ def test_rollback_over_http(server: ServeProcess, stack) -> None:
     assert r.status_code == 409, r.text
     assert f"v{before['version']}, the highest" in r.json()["detail"], r.text
     assert _draft_now(server)["version"] == before["previous_version"]
+
+
+@pytest.mark.vllm
+def test_a_server_killed_mid_swap_serves_the_newest_committed_draft_again(
+    server: ServeProcess, stack, tiny_llama_dir: Path, work: Path
+) -> None:
+    """SIGKILL (the server and its engine process) while a swap is in flight, then the same
+    command again: the server comes back with the newest draft it committed, not with the v0
+    its --draft names. The killed swap may or may not have committed; if its 200 came back, its
+    draft is the one served. Last of the tests on the module's server, which it replaces."""
+    from live import kill_group
+
+    reference, args = stack[1], stack[3]
+    v = _draft_now(server)["highest_version"] + 1
+    committed, in_flight = _write_drafts(tiny_llama_dir, work / "restart", range(v, v + 2))
+    assert _swap(server, version=v, path=str(committed)).status_code == 200
+    answer: list[int] = []
+
+    def swap_in_flight() -> None:
+        try:
+            answer.append(_swap(server, version=v + 1, path=str(in_flight)).status_code)
+        except httpx.HTTPError:
+            answer.append(0)
+
+    thread = threading.Thread(target=swap_in_flight)
+    thread.start()
+    time.sleep(0.05)
+    kill_group(server.proc)
+    thread.join(60)
+    again = ServeProcess.start(args, work / "serve-restarted.log")
+    try:
+        again.wait_ready()
+        again.model = tiny_llama_dir  # type: ignore[attr-defined]
+        now = _draft_now(again)
+        assert now["version"] in (v, v + 1), now
+        if answer == [200]:
+            assert now["version"] == v + 1, "the swap answered 200 before the kill"
+        assert "committed before it stopped" in again.log_tail(200_000)
+        r = _complete(again, PROMPTS[7])
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == reference[PROMPTS[7]]
+        assert r.headers["x-codraft-draft-version"] == str(now["version"])
+        (newer,) = _write_drafts(tiny_llama_dir, work / "restart", range(v + 2, v + 3))
+        assert _swap(again, version=v + 2, path=str(newer)).status_code == 200
+    finally:
+        again.stop()
 
 
 # ------------------------------------------------------------------------------ recorder

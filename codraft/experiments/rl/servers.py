@@ -201,6 +201,7 @@ class CodraftArm(ArmServer):
             "--num-speculative-tokens", str(f.num_speculative_tokens),
             "--work-dir", str(self.work / "serve"), "--max-num-seqs", str(f.max_num_seqs),
             "--no-enable-prefix-caching", "--enforce-eager",  # as the plain arm: same engine mode
+            "--no-resume-draft",  # each arm serves the draft it is given
         ]  # fmt: skip
         if self.tap_port is not None:
             argv += ["--tap-endpoint", f"tcp://127.0.0.1:{self.tap_port}"]

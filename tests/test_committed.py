@@ -1,0 +1,72 @@
+"""The committed-draft record (codraft.server.committed): which draft a restarted server takes.
+
+The restart itself (SIGKILL mid-swap, the same command again) runs on a real server in
+test_server_api.py; here each way a record can be unusable, on real checkpoint folders."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from codraft.draft.checkpoint import read_meta
+from codraft.draft.init import write_new_draft
+from codraft.server.committed import choose_draft, record_path, write_record
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    root = tmp_path_factory.mktemp("drafts")
+    return {
+        v: write_new_draft(root / f"v{v}", tiny_llama_dir, version=v, draft_vocab_size=64)
+        for v in (0, 3, 5)
+    }
+
+
+def _record(record: Path, draft: Path, **changes) -> Path:
+    meta = read_meta(draft)
+    info = {"version": meta.version, "sha256": meta.weights_sha256, "path": str(draft)}
+    write_record(record, {**info, "loaded_at": "t", **changes})
+    return record
+
+
+def test_the_newer_committed_draft_wins(drafts, tmp_path: Path, caplog) -> None:
+    rec = _record(tmp_path / "r.json", drafts[5])
+    with caplog.at_level(logging.WARNING, logger="codraft.serve"):
+        assert choose_draft(rec, drafts[0]) == drafts[5].resolve()
+    assert "committed before it stopped" in caplog.text
+    assert choose_draft(rec, drafts[5]) == drafts[5]  # the same draft: nothing to say
+
+
+def test_a_newer_draft_on_the_command_line_wins(drafts, tmp_path: Path) -> None:
+    assert choose_draft(_record(tmp_path / "r.json", drafts[3]), drafts[5]) == drafts[5]
+
+
+@pytest.mark.parametrize("broken", ["no record", "torn", "gone", "other sha", "other version"])
+def test_an_unusable_record_is_ignored(broken: str, drafts, tmp_path: Path, caplog) -> None:
+    rec = tmp_path / "r.json"
+    if broken == "torn":
+        rec.write_text('{"version": 5, "pa')
+    elif broken == "gone":
+        _record(rec, drafts[5], path=str(tmp_path / "deleted"))
+    elif broken == "other sha":
+        _record(rec, drafts[5], sha256="0" * 64)
+    elif broken == "other version":
+        _record(rec, drafts[5], version=9)
+    with caplog.at_level(logging.WARNING, logger="codraft.serve"):
+        assert choose_draft(rec, drafts[0]) == drafts[0]
+    if broken != "no record":
+        assert "ignoring the committed-draft record" in caplog.text
+
+
+def test_one_record_per_target(tmp_path: Path) -> None:
+    a, b = record_path(tmp_path, Path("/models/a")), record_path(tmp_path, Path("/models/b"))
+    assert a != b and a.parent == b.parent == tmp_path
+    assert record_path(tmp_path, Path("/models/a")) == a
+
+
+def test_the_record_is_plain_json(drafts, tmp_path: Path) -> None:
+    rec = _record(tmp_path / "r.json", drafts[3])
+    assert set(json.loads(rec.read_text())) == {"version", "sha256", "path", "loaded_at"}
