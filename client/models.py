@@ -11,7 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-MAX_VERSION = 2**63 - 1
+# Versions are JSON-safe integers: JSON Schema and JavaScript clients hold them exactly.
+MAX_VERSION = 2**53 - 1
 TapMode = Literal["full", "ids", "off"]
 
 

@@ -43,7 +43,8 @@ from codraft.server.committed import write_record
 
 log = logging.getLogger(__name__)
 
-MAX_VERSION = 2**63 - 1
+# Versions are JSON-safe integers: JSON Schema and JavaScript clients hold them exactly.
+MAX_VERSION = 2**53 - 1
 CONTROL_PATHS = frozenset(
     {"/v1/draft", "/v1/draft/prepare", "/v1/draft/rollback", "/v1/policy", "/v1/tap"}
 )
@@ -97,7 +98,9 @@ class PolicyLoadRequest(_Body):
 class TapUpdateRequest(_Body):
     enabled: StrictBool | None = None
     mode: Literal["full", "ids", "off"] | None = None
-    sample_rate: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    sample_rate: (
+        Annotated[float, Field(strict=True, ge=0.0, le=1.0, allow_inf_nan=False)] | None
+    ) = None
     endpoint: (
         Annotated[str, Field(max_length=4096, pattern=r"^(tcp|ipc|inproc)://[^\s\x00]+$")] | None
     ) = None
@@ -436,6 +439,22 @@ class ControlRoute(APIRoute):
     routes behave the same on vLLM's app (whose handlers reshape errors into OpenAI's format and
     whose middleware stack is built before codraft's routes are added) as on the control app."""
 
+    allowed: tuple[str, ...] = ()  # every method of this path (set by control_router)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A 405 names every method of the path in Allow, not only this route's (GET and POST
+        /v1/draft are two routes; Starlette would answer with the first one's alone)."""
+        if self.methods and scope["method"] not in self.methods and self.allowed:
+            allow = ", ".join(self.allowed)
+            response = JSONResponse(
+                {"detail": f"{scope['method']} is not allowed on {self.path}; allowed: {allow}"},
+                status_code=405,
+                headers={"Allow": allow},
+            )
+            await response(scope, receive, send)
+            return
+        await super().handle(scope, receive, send)
+
     def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
         handler = super().get_route_handler()
 
@@ -531,6 +550,17 @@ def control_router(control: EngineControl, auth: Callable[..., Awaitable[None]])
         return reply["tap"]
 
     return r
+
+
+def _allow_all_methods(router: Any) -> None:
+    """Tell each control route every method of its path (for its 405s)."""
+    methods: dict[str, set[str]] = {}
+    for route in router.routes:
+        if isinstance(route, ControlRoute):
+            methods.setdefault(route.path, set()).update(route.methods or ())
+    for route in router.routes:
+        if isinstance(route, ControlRoute):
+            route.allowed = tuple(sorted(methods[route.path]))
 
 
 def probe_router(control: EngineControl, paths: Iterable[str] = ("/health", "/ready")) -> APIRouter:
@@ -664,5 +694,6 @@ def install_control(
     the body limit to `app`. Call before the app serves."""
     if control_routes:
         app.include_router(control_router(control, bearer_auth(token)))
+        _allow_all_methods(app.router)  # on the app's copies of the routes
         add_outer_middleware(app, BodyLimit, max_bytes=control.settings.max_body_bytes)
     app.include_router(probe_router(control, probes))

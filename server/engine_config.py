@@ -128,6 +128,9 @@ def check_endpoint(endpoint: str) -> str:
             f"tap endpoint must be a ZeroMQ endpoint starting with one of {ENDPOINT_SCHEMES} "
             f"(e.g. tcp://127.0.0.1:5557), got {endpoint!r}"
         )
+    from codraft.server.publisher import check_connectable
+
+    check_connectable(endpoint)  # also while the tap is off: it would fail when turned on
     return endpoint
 
 

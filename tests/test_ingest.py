@@ -9,6 +9,7 @@ import logging
 import random
 import time
 import zlib
+from collections import Counter
 
 import msgpack
 import pytest
@@ -18,7 +19,8 @@ import zmq
 from codraft.learner.data.packing import Sample
 from codraft.learner.online.buffer import BufferPolicy, SampleBuffer, is_holdout
 from codraft.learner.online.ingest import TapIngest
-from codraft.tap import TapExpectation, TapLimits, TapMessage, encode
+from codraft.tap import TapExpectation, TapLimits, TapMessage, TapRejected, decode, encode
+from codraft.tap.fuzz import malformed
 
 H, TAPS, FP = 16, (1, 2, 3), "llama-0123456789abcdef"
 
@@ -136,3 +138,60 @@ def test_holdout_split_is_deterministic() -> None:
     held = [i for i in ids if is_holdout(i, 0.1)]
     assert 120 < len(held) < 280
     assert held == [i for i in ids if is_holdout(i, 0.1)]
+
+
+# ------------------------------------------------------------------------------ fuzzed frames
+def _fuzz_limits() -> TapLimits:
+    return TapLimits(max_tokens=64, max_message_bytes=1 << 16)
+
+
+def _expect() -> TapExpectation:
+    return TapExpectation(fingerprint=FP, tap_layers=TAPS, hidden_size=H, vocab_size=100)
+
+
+def _refusals(n: int, seed: int) -> tuple[Counter, Counter, Counter]:
+    """decode() over n fuzzed messages: (reasons refused, kinds accepted, other exceptions)."""
+    good = [bytes(f) for f in encode(_msg(0))]
+    rng = random.Random(seed)
+    reasons, accepted, other = Counter(), Counter(), Counter()
+    for _ in range(n):
+        kind, frames = malformed(good, rng)
+        try:
+            decode(frames, limits=_fuzz_limits(), expect=_expect())
+            accepted[kind] += 1
+        except TapRejected as e:
+            reasons[e.reason] += 1
+        except Exception as e:  # noqa: BLE001 - anything else is a reader bug
+            other[f"{kind}: {type(e).__name__}"] += 1
+    return reasons, accepted, other
+
+
+def test_fuzzed_frames_are_all_refused_by_reason() -> None:
+    reasons, accepted, other = _refusals(5000, seed=3)
+    assert not accepted and not other, (accepted, other)
+    assert sum(reasons.values()) == 5000
+    assert len(reasons) >= 12, reasons  # the breaks reach every kind of check
+
+
+def test_a_reader_without_header_checks_lets_fuzzed_frames_through(monkeypatch) -> None:
+    """Planted bug: the header's field checks skipped. The fuzzed frames then get through or
+    crash the reader, so the test above sees the checks' work."""
+    import codraft.tap.message as message
+
+    monkeypatch.setattr(message, "_check_header", lambda h, limits: None)
+    _, accepted, other = _refusals(2000, seed=3)
+    assert accepted or other
+
+
+def test_fuzzed_frames_through_zeromq_are_counted_and_the_learner_goes_on(ingest) -> None:
+    ing, buf, push = ingest
+    good = [bytes(f) for f in encode(_msg(0))]
+    rng = random.Random(5)
+    n = 2000
+    for _ in range(n):
+        push.send_multipart(malformed(good, rng)[1])
+    for i in range(3):
+        push.send_multipart(encode(_msg(200 + i)))
+    _wait(lambda: ing.stats.accepted + ing.stats.rejected_total >= n + 3, timeout=60)
+    assert ing.stats.rejected_total == n and ing.stats.accepted == 3, dict(ing.stats.rejected)
+    assert len(ing.stats.rejected) >= 12 and ing._thread.is_alive()

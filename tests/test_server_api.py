@@ -677,6 +677,31 @@ def test_rollback_over_http(server: ServeProcess, stack) -> None:
 
 
 @pytest.mark.vllm
+def test_the_control_api_survives_fuzzing_from_its_own_schema(server: ServeProcess) -> None:
+    """schemathesis against the running server's /openapi.json: no 5xx, every status, content
+    type and body as the schema documents, bodies outside the schema refused, the token
+    enforced, 405s naming every method. A bounded run (scripts/bench_reliability.py runs it
+    longer); it may roll the draft back and move the tap, which are restored after."""
+    tap = httpx.get(f"{server.control_url}/v1/tap", headers=AUTH, timeout=30).json()
+    config = Path(__file__).parents[1] / "scripts" / "reliability" / "schemathesis.toml"
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "schemathesis.cli", "--config-file", str(config), "run",
+            f"{server.control_url}/openapi.json", "-H", f"Authorization: Bearer {TOKEN}",
+            "--checks", "all", "--max-examples", "40", "--seed", "7", "--no-color",
+            "--workers", "1",
+        ],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    restore = {k: tap[k] for k in ("enabled", "mode", "sample_rate", "endpoint")}
+    r = httpx.put(f"{server.control_url}/v1/tap", json=restore, headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert re.search(r"\d+ generated, \d+ passed", done.stdout), done.stdout[-2000:]
+    assert httpx.get(f"{server.control_url}/ready", timeout=30).status_code == 200
+
+
+@pytest.mark.vllm
 def test_a_server_killed_mid_swap_serves_the_newest_committed_draft_again(
     server: ServeProcess, stack, tiny_llama_dir: Path, work: Path
 ) -> None:
