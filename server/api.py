@@ -234,6 +234,7 @@ class EngineControl:
         self.draining = False  # set on SIGTERM: /ready answers 503 while requests drain
         self._refresher: asyncio.Task | None = None
         self._recorded: tuple | None = None  # the draft last written to committed_file
+        self._record_lock = asyncio.Lock()
 
     async def rpc(self, method: str, timeout: float | None = None, **kwargs: Any) -> dict:
         """Rank 0's reply to `method(**kwargs)`; ControlError for failures of any kind."""
@@ -272,30 +273,36 @@ class EngineControl:
         draft, policy = reply.get("draft"), reply.get("policy")
         if isinstance(draft, dict) and "version" in draft:
             self.draft_version = draft["version"]
-            self._record(draft)
         if isinstance(policy, dict) and "version" in policy:
             self.policy_version = policy["version"]
 
-    def _record(self, draft: dict) -> None:
+    async def _record(self, reply: dict, epoch: int | None = None) -> None:
         """Record a new serving draft (before a swap's reply goes out), so that a restart serves
-        it. A failed write is logged: the swap itself has happened."""
-        key = (draft.get("version"), draft.get("sha256"), draft.get("path"))
-        if self.settings.committed_file is None or key == self._recorded or None in key:
+        it; the write (fsync'ed) runs off the event loop, one at a time. A refresh's write
+        (`epoch` given) is dropped once a swap has begun since its read. A failed write is
+        logged: the swap itself has happened."""
+        draft = reply.get("draft")
+        if not isinstance(draft, dict) or self.settings.committed_file is None:
             return
-        try:
-            write_record(Path(self.settings.committed_file), draft)
-            self._recorded = key
-        except OSError as e:
-            log.error(
-                "draft v%s serves but could not be recorded in %s (%s): a restart would serve "
-                "an older draft", key[0], self.settings.committed_file, e,
-            )  # fmt: skip
+        key = (draft.get("version"), draft.get("sha256"), draft.get("path"))
+        async with self._record_lock:
+            if key == self._recorded or None in key or epoch not in (None, self._epoch):
+                return
+            try:
+                await asyncio.to_thread(write_record, Path(self.settings.committed_file), draft)
+                self._recorded = key
+            except OSError as e:
+                log.error(
+                    "draft v%s serves but could not be recorded in %s (%s): a restart would "
+                    "serve an older draft", key[0], self.settings.committed_file, e,
+                )  # fmt: skip
 
     async def info(self) -> dict:
         epoch = self._epoch
         reply = await self.rpc("codraft_info", timeout=self.settings.probe_timeout_s)
         if epoch == self._epoch and not self.swap_lock.locked():
             self._note(reply)
+            await self._record(reply, epoch)  # an automatic rollback, or the draft at start
         return reply
 
     async def _refresh_forever(self) -> None:
@@ -341,6 +348,7 @@ class EngineControl:
             t0 = time.perf_counter()
             reply = await body()
             self._note(reply)
+            await self._record(reply)
             log.info("%s done in %.1f ms", what, 1000 * (time.perf_counter() - t0))
             return reply
         finally:

@@ -85,7 +85,10 @@ def rendezvous_port() -> int:
 
 
 class Load:
-    """Greedy completions from two threads until stopped; failures counted."""
+    """Greedy completions from two threads until stopped; failures counted. Each thread rests
+    as long as its last request took: back to back, the engine's two processes took both of
+    this host's cores, and the learners under test (whose start and stop have deadlines)
+    starved."""
 
     def __init__(self, base: str) -> None:
         self.base, self.done, self.failed = base, 0, []
@@ -105,7 +108,9 @@ class Load:
             while not self._stop.is_set():
                 body = {"model": model, "prompt": PROMPTS[n % len(PROMPTS)], "max_tokens": 32,
                         "temperature": 0.0}  # fmt: skip
+                t0 = time.monotonic()
                 r = http.post("/v1/completions", json=body)
+                self._stop.wait(max(0.2, time.monotonic() - t0))
                 if r.status_code == 200:
                     self.done += 1
                 else:

@@ -35,6 +35,7 @@ RUN = [
     "--token-budget=256", "--lr=3e-3", "--max-seconds=400",
 ]  # fmt: skip
 PUBLISH_TIMEOUT_S = 300
+STOP_S = 180  # SIGTERM to exit; seconds normally, minutes when this host is loaded
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +100,9 @@ def test_ids_only_taps_train_and_publish(kind: str, server: dict) -> None:
         assert version > before, f"no draft published in {PUBLISH_TIMEOUT_S} s:\n{text()}"
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=STOP_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the learner did not stop within 60 s of SIGTERM:\n{text()}")
+            pytest.fail(f"the learner did not stop within {STOP_S} s of SIGTERM:\n{text()}")
     finally:
         kill_group(proc)
     whole = log.read_text()
@@ -133,7 +134,7 @@ def test_a_learner_without_the_target_refuses_ids_only_taps(server: dict) -> Non
         assert "rejected a tap message (mode)" in log.read_text(), log.read_text()[-3000:]
         assert proc.poll() is None, log.read_text()[-3000:]
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+        assert proc.wait(timeout=STOP_S) == 0, log.read_text()[-3000:]
     finally:
         kill_group(proc)
     assert "Traceback" not in log.read_text()

@@ -56,6 +56,7 @@ PROMPTS = [
     "Mars is known as",
 ]
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+API_KEY = "openai-key-0123456789abcdef"
 CONTROL_ROUTES = [
     ("GET", "/v1/draft", None),
     ("POST", "/v1/draft", {"version": 99, "path": "/nonexistent"}),
@@ -134,7 +135,9 @@ def _draft_now(server: ServeProcess) -> dict:
     return r.json()
 
 
-def _complete(server: ServeProcess, prompt: str, **kw: Any) -> httpx.Response:
+def _complete(
+    server: ServeProcess, prompt: str, headers: dict | None = None, **kw: Any
+) -> httpx.Response:
     body = {
         "model": str(server.model),
         "prompt": prompt,
@@ -144,7 +147,7 @@ def _complete(server: ServeProcess, prompt: str, **kw: Any) -> httpx.Response:
         "return_token_ids": True,
         **kw,
     }
-    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    return httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -338,6 +341,29 @@ def test_swap_every_second_under_16_streaming_clients(
     results: list[tuple[str, list[int], str, str]] = []
     failures: list[str] = []
     swaps: list[tuple[int, int, float]] = []
+    rollbacks: list[int] = []
+
+    sampled: list[tuple[list[int], list[int], list[float]]] = []
+    refused: list[int] = []
+
+    async def sample(client: Any, prompt: str) -> None:
+        """Sampled, n=2, with log-probs (checked against transformers below); and greedy n=2,
+        which vLLM refuses."""
+        r = await client.completions.create(
+            model=str(server.model), prompt=prompt, max_tokens=MAX_TOKENS, temperature=1.0,
+            n=2, logprobs=1, extra_body={"return_token_ids": True},
+        )  # fmt: skip
+        for ch in r.choices:
+            extra = ch.model_extra or {}
+            sampled.append((extra["prompt_token_ids"], extra["token_ids"],
+                            ch.logprobs.token_logprobs))  # fmt: skip
+        try:
+            await client.completions.create(
+                model=str(server.model), prompt=prompt, max_tokens=4, temperature=0.0, n=2
+            )
+            refused.append(200)
+        except Exception as e:  # openai.BadRequestError
+            refused.append(getattr(e, "status_code", 0))
 
     async def client_loop(i: int, done: asyncio.Event) -> None:
         client = AsyncOpenAI(
@@ -347,6 +373,9 @@ def test_swap_every_second_under_16_streaming_clients(
         while rounds < 2 or not done.is_set():
             rounds += 1
             try:
+                if i % 4 == 3:
+                    await sample(client, prompt)
+                    continue
                 raw = await client.completions.with_raw_response.create(
                     model=str(server.model),
                     prompt=prompt,
@@ -369,8 +398,11 @@ def test_swap_every_second_under_16_streaming_clients(
     async def swapper(done: asyncio.Event) -> None:
         async with httpx.AsyncClient(timeout=120) as c:
             await asyncio.sleep(1.0)
-            for path in drafts:
+            for n, path in enumerate(drafts):
                 t0 = time.monotonic()
+                if n == n_swaps // 2:  # and a rollback on the way
+                    r = await c.post(f"{server.control_url}/v1/draft/rollback", headers=AUTH)
+                    rollbacks.append(r.status_code)
                 version = int(path.name.removeprefix("draft-v"))
                 r = await c.post(
                     f"{server.control_url}/v1/draft",
@@ -392,7 +424,10 @@ def test_swap_every_second_under_16_streaming_clients(
     asyncio.run(main())
     assert not failures, failures[:5]
     assert [s[1] for s in swaps] == [200] * n_swaps, swaps
-    assert len(results) >= 32
+    assert rollbacks == [200], rollbacks
+    assert len(results) >= 24 and len(sampled) >= 16, (len(results), len(sampled))
+    assert refused and set(refused) == {400}, refused
+    _assert_target_logprobs(tiny_llama_dir, sampled)
     wrong = [(p, ids) for p, ids, _, _ in results if ids != reference[p]]
     assert not wrong, f"{len(wrong)}/{len(results)} outputs differ from the reference: {wrong[:2]}"
     assert all(text == ref_texts[p] for p, _, text, _ in results)
@@ -405,6 +440,22 @@ def test_swap_every_second_under_16_streaming_clients(
         httpx.get(f"{server.url}/metrics", timeout=30).text, "codraft_draft_swaps_total"
     )
     assert stats >= n_swaps
+
+
+def _assert_target_logprobs(target: Path, sampled: list) -> None:
+    """The log-probs the server reports for sampled tokens are the target's own, as
+    transformers computes them in fp64 (whichever draft was proposing)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float64).eval()
+    worst = 0.0
+    for prompt_ids, ids, logprobs in sampled:
+        assert len(ids) == len(logprobs) > 0
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1 : -1]
+        ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+        worst = max(worst, float((ref - torch.tensor(logprobs, dtype=torch.float64)).abs().max()))
+    assert worst < 1e-3, f"sampled log-probs differ from the target's by up to {worst}"
 
 
 # ------------------------------------------------------------------------------ bad drafts
@@ -768,19 +819,31 @@ def test_recorder_writes_what_the_learner_reads(tiny_llama_dir: Path, work: Path
         draft = write_new_draft(work / "rec-draft", tiny_llama_dir, draft_vocab_size=DRAFT_VOCAB)
         env = {**os.environ, "CODRAFT_CONTROL_TOKEN": TOKEN}
         server = ServeProcess.start(
-            _serve_args(tiny_llama_dir, draft, "--tap-endpoint", endpoint.group(1)),
+            _serve_args(
+                tiny_llama_dir, draft, "--tap-endpoint", endpoint.group(1), "--api-key", API_KEY
+            ),
             work / "serve-rec.log",
             control=False,
             env=env,
         )
         server.model = tiny_llama_dir  # type: ignore[attr-defined]
         server.wait_ready()
-        # Without --control-port the control routes live on the OpenAI port, token required.
-        assert httpx.get(f"{server.url}/v1/draft", timeout=30).status_code == 401
-        assert httpx.get(f"{server.url}/v1/draft", headers=AUTH, timeout=30).status_code == 200
+        # Without --control-port the control routes live on the OpenAI port, token required;
+        # with --api-key the OpenAI routes want the key, and the two never stand in for each
+        # other. The probes stay open.
+        key = {"Authorization": f"Bearer {API_KEY}"}
+        for headers, control, openai in (({}, 401, 401), (key, 401, 200), (AUTH, 200, 401)):
+            r = httpx.get(f"{server.url}/v1/draft", headers=headers, timeout=30)
+            assert r.status_code == control, (headers, r.text)
+            r = httpx.get(f"{server.url}/v1/models", headers=headers, timeout=30)
+            assert r.status_code == openai, (headers, r.text)
+            r = _complete(server, PROMPTS[0], headers=headers, max_tokens=2)
+            assert r.status_code == openai, (headers, r.text)
+        for probe in ("/health", "/ready", "/metrics"):
+            assert httpx.get(server.url + probe, timeout=30).status_code == 200, probe
         sent = {}
         for p in PROMPTS[:4]:
-            r = _complete(server, p, max_tokens=12)
+            r = _complete(server, p, headers=key, max_tokens=12)
             assert r.status_code == 200, r.text
             c = r.json()["choices"][0]
             sent[p] = (c["prompt_token_ids"], c["token_ids"])
