@@ -365,3 +365,26 @@ def greedy_reference(target: Any, prompts: list[list[int]], n: int) -> list[list
                 seq.append(int(target(torch.tensor([seq])).logits[0, -1].argmax()))
             out.append(seq[len(p) :])
     return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process `pid` started, and theirs (from /proc; empty where there is none)."""
+    try:
+        children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                    for c in (task / "children").read_text().split()]  # fmt: skip
+    except OSError:
+        return []
+    return children + [d for c in children for d in descendants(c)]
+
+
+def kill_tree(proc: Any) -> None:
+    """SIGKILL a `subprocess.Popen` and everything it started (workers in sessions of their
+    own, vLLM's engine core, the tap process would outlive it), then reap it."""
+    import signal
+
+    for pid in [*descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()

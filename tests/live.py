@@ -19,6 +19,7 @@ import httpx
 
 from codraft.client import CodraftClient
 from codraft.server.serve import free_port
+from codraft.testing import kill_tree
 
 PROMPTS = [f"{w} {i}" for i in range(4) for w in ("The cat", "def f(x):", "Once upon", "1 2 3")]
 STARTUP_S = 150  # rank 0's first line ("listening for taps") comes within seconds, normally
@@ -35,24 +36,7 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
             proc.wait()
 
 
-def descendants(pid: int) -> list[int]:
-    try:
-        children = [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
-                    for c in (t / "children").read_text().split()]  # fmt: skip
-    except OSError:
-        return []
-    return children + [d for c in children for d in descendants(c)]
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """torchrun and every worker it started (workers run in sessions of their own and would
-    outlive a killed agent)."""
-    for pid in [*descendants(proc.pid), proc.pid]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
+kill_group = kill_tree  # torchrun and every worker it started
 
 
 def listening(procs: list[subprocess.Popen], logs: list[Path]) -> bool:
