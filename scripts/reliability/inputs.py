@@ -75,7 +75,10 @@ def bad_checkpoints(model: Path, root: Path, version: int) -> dict[str, tuple[Pa
     cases["wrong sha256 requested"] = (good("requested-sha"), "f" * 64)
     p = good("shapes")
     fc = load_file(str(p / "model.safetensors"))["fc.weight"]
-    cases["wrong shapes"] = (_edit_tensors(p, lambda t: t.update({"fc.weight": fc[:, :-8]})), None)
+    cases["wrong shapes"] = (
+        _edit_tensors(p, lambda t: t.update({"fc.weight": fc[:, :-8].contiguous()})),
+        None,
+    )
     cases["wrong tap layers"] = (good("taps", tap_layers=(1, 2, 3)), None)
     cases["wrong vocab"] = (good("vocab", draft_vocab_size=vocab // 2), None)
     cases["NaN weight"] = (_edit_tensors(good("nan"), poison(float("nan"))), None)
