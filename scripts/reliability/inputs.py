@@ -193,7 +193,7 @@ def fuzz_control(stack: Stack, examples: int, out: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------ tap frames
-def valid_tap(model: Path, i: int, n: int = 4) -> list[bytes]:
+def valid_tap(model: Path, i: int, n: int = 8) -> list[bytes]:
     """A valid 'full' tap message of `model` (random features of the right shape)."""
     cfg = TargetConfig.from_pretrained(model)
     taps = cfg.default_tap_layers()
