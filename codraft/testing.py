@@ -388,3 +388,18 @@ def kill_tree(proc: Any) -> None:
         except ProcessLookupError:
             pass
     proc.wait()
+
+
+def stop_tree(proc: Any, timeout: float = 60.0) -> None:
+    """SIGTERM a `subprocess.Popen` (None or an exited one: nothing); `kill_tree` it if it has
+    not exited within `timeout` seconds."""
+    import signal
+    import subprocess
+
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)

@@ -43,10 +43,6 @@ PARTS = ("soak", "security", "checkpoints", "fuzz", "taps", "faults")
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _phase(run: dict, refs: tuple[dict, dict], scorer: soak.PolicyScorer | None) -> dict:
-    return soak.check(run, refs, scorer)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/reliability")
@@ -85,8 +81,8 @@ def main() -> int:
             print("[reliability] checking log-probs against transformers", flush=True)
             scorer = soak.PolicyScorer(model)
             report["soak"] = {
-                "baseline": _phase(base, refs, scorer),
-                "swaps": _phase(live, refs, scorer),
+                "baseline": soak.check(base, refs, scorer),
+                "swaps": soak.check(live, refs, scorer),
                 "swapper": soak.swap_figures(swapper),
                 "learner": {
                     k: v

@@ -15,9 +15,10 @@ from pathlib import Path
 import httpx
 
 from codraft.learner.checkpoints import checkpoint_problem, newest_good
+from codraft.testing import kill_tree, stop_tree
 
 from .soak import BackgroundLoad, Swapper, check
-from .stack import TOKEN, Stack, kill_tree, stop_tree
+from .stack import TOKEN, Stack
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -17,20 +16,10 @@ import httpx
 
 from codraft.client import CodraftClient
 from codraft.server.serve import free_port
-from codraft.testing import kill_tree
+from codraft.testing import stop_tree
 
 TOKEN = "reliability-control-token-0123456789"
 API_KEY = "reliability-openai-key-0123456789"
-
-
-def stop_tree(proc: subprocess.Popen | None, timeout: float = 60.0) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
 
 
 @dataclass
