@@ -145,9 +145,17 @@ def full_disk(stack: Stack, work: Path, timeout: float = 420.0) -> dict:
 
 
 def corrupt_newest(stack: Stack, timeout: float = 240.0) -> dict:
-    """Stop the learner, damage its newest checkpoint's weights, start it again."""
+    """Stop the learner, damage its newest checkpoint's weights, start it again. Waits (up to
+    `timeout`) for the learner to have written two checkpoints, so there is one to fall back to."""
+
+    def on_disk() -> list[Path]:
+        return sorted(p for p in stack.learner_out.glob("ckpt-*") if p.is_dir())
+
+    deadline = time.monotonic() + timeout
+    while len(on_disk()) < 2 and time.monotonic() < deadline:
+        time.sleep(2.0)
     stop_tree(stack.learner)
-    ckpts = sorted(p for p in stack.learner_out.glob("ckpt-*") if p.is_dir())
+    ckpts = on_disk()
     if len(ckpts) < 2:
         stack.start_learner()
         return {"skipped": f"{len(ckpts)} checkpoint(s): nothing to fall back to"}
