@@ -114,3 +114,46 @@ def dense_ttt_attention(
         scale,
     )
     return out.reshape(n, t, hq, d)
+
+
+def dense_block_draft_attention(
+    q: Tensor,
+    k_ctx: Tensor,
+    v_ctx: Tensor,
+    k_blk: Tensor,
+    v_blk: Tensor,
+    cu_seqlens: Tensor,
+    scale: float | None = None,
+) -> Tensor:
+    """Dense block-drafter (DFlash) attention with an explicit mask, stated by positions.
+
+    Slot s of row i of a document is the query at position i + 1 + s of the block anchored at
+    position a = i + 1. It sees the context key at position j of the same document iff j < a
+    (the context is what the target has computed before the anchor), and the key of slot s' of
+    a block iff that block has the same anchor (the block is bidirectional).
+
+    Args:
+        q: ``[S, T, Hq, D]``; k_blk, v_blk: ``[S, T, Hkv, D]``; k_ctx, v_ctx: ``[T, Hkv, D]``.
+        cu_seqlens: int32 ``[B + 1]``.
+
+    Returns:
+        ``out [S, T, Hq, D]``.
+    """
+    s_, t, hq, d = q.shape
+    doc = _doc_ids(cu_seqlens, t)
+    pos = torch.arange(t, device=q.device) - cu_seqlens.long()[doc]  # position in the document
+    anchor = (pos + 1).repeat(s_)  # of every query, slot-major
+    qdoc = doc.repeat(s_)
+    ctx_mask = (doc.unsqueeze(0) == qdoc.unsqueeze(1)) & (pos.unsqueeze(0) < anchor.unsqueeze(1))
+    blk_mask = (qdoc.unsqueeze(1) == qdoc.unsqueeze(0)) & (
+        anchor.unsqueeze(1) == anchor.unsqueeze(0)
+    )
+    hkv = k_ctx.shape[1]
+    out, _ = dense_masked_attention(
+        q.reshape(s_ * t, hq, d),
+        torch.cat([k_ctx, k_blk.reshape(s_ * t, hkv, d)]),
+        torch.cat([v_ctx, v_blk.reshape(s_ * t, hkv, d)]),
+        torch.cat([ctx_mask, blk_mask], dim=1),
+        scale,
+    )
+    return out.reshape(s_, t, hq, d)
