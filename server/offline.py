@@ -30,6 +30,7 @@ class ArmSpec:
     max_num_seqs: int = 16
     seed: int = 0
     ignore_eos: bool = False
+    method: str = "eagle3"  # vLLM's speculative method for the draft: "eagle3" or "dflash"
 
 
 @dataclass
@@ -100,7 +101,7 @@ def run_arm(spec: ArmSpec) -> ArmResult:
     kwargs: dict = {}
     if spec.draft:
         kwargs["speculative_config"] = {
-            "method": "eagle3",
+            "method": spec.method,
             "model": spec.draft,
             "num_speculative_tokens": spec.num_speculative_tokens,
         }

@@ -1,0 +1,226 @@
+"""The DFlash block drafter: its config.json as vLLM reads it, its forward against a block
+computed the way vLLM serves it, the learner's attention inside it, and stock vLLM loading a
+codraft DFlash checkpoint with greedy output unchanged."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from codraft.draft.dflash import DFlashDraft, rows_and_slots
+from codraft.draft.dflash_config import DFlashConfig, dflash_tap_layers
+from codraft.learner.attention.block_draft import block_draft_attention
+from codraft.models.config import TargetConfig
+from codraft.models.layers import apply_rope
+
+
+def _tiny(**kw) -> DFlashConfig:
+    base = dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, vocab_size=50, target_hidden_size=32,
+        tap_layers=(1, 3), block_size=4, mask_token_id=7, dtype="float64", rope_theta=1000.0,
+    )  # fmt: skip
+    base.update(kw)
+    return DFlashConfig(**base)
+
+
+def _draft(cfg: DFlashConfig, seed: int = 0) -> DFlashDraft:
+    torch.manual_seed(seed)
+    draft = DFlashDraft(cfg)
+    with torch.no_grad():
+        for p in draft.parameters():  # norms away from 1, so a missing norm shows
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 1.0) + (p.dim() == 1))
+    draft.set_target_head(torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=torch.float64))
+    return draft
+
+
+def test_config_round_trips_and_speaks_vllms_layer_ids():
+    cfg = _tiny()
+    hf = cfg.to_hf_dict()
+    assert hf["architectures"] == ["DFlashDraftModel"] and hf["model_type"] == "qwen3"
+    assert hf["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [0, 2]}
+    assert DFlashConfig.from_hf_dict(json.loads(json.dumps(hf))) == cfg
+    assert dflash_tap_layers(30) == (2, 9, 15, 21, 28)  # ids 1, 8, 14, 20, 27 as DFlash picks
+    assert dflash_tap_layers(36) == (2, 10, 18, 26, 34)  # Qwen3-8B's [1, 9, 17, 25, 33]
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(tap_layers=(0, 2)), "tap 0"),
+        (dict(tap_layers=(3, 1)), "strictly increasing"),
+        (dict(mask_token_id=50), "outside the target vocabulary"),
+        (dict(block_size=1), "block_size must be >= 2"),
+        (dict(hidden_size=16), "must equal target_hidden_size"),
+    ],
+)
+def test_config_refuses_what_vllm_would_misread(bad, match):
+    with pytest.raises(ValueError, match=match):
+        _tiny(**bad)
+
+
+def _served_block(
+    draft: DFlashDraft, ids: torch.Tensor, taps: torch.Tensor, a: int
+) -> torch.Tensor:
+    """Logits [S, vocab] of the block anchored at position a of one document, computed as vLLM
+    serves it: context K/V from the taps of positions 0..a-1 only, queries [ids[a], mask...] at
+    positions a..a+S-1, one non-causal softmax over context and block. Shares no masking code
+    with the product."""
+    cfg = draft.config
+    s_, hq, hkv, d = cfg.block_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    block = torch.full((s_,), cfg.mask_token_id)
+    block[0] = ids[a]
+    h = draft.embed(block)
+    ctx = draft.hidden_norm(draft.fc(taps[:a]))
+    pos_b, pos_c = torch.arange(a, a + s_), torch.arange(a)
+    for layer in draft.layers:
+        at = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = at.q_norm(at.q_proj(x).view(s_, hq, d))
+        k = torch.cat(
+            [at.k_norm(at.k_proj(ctx).view(a, hkv, d)), at.k_norm(at.k_proj(x).view(s_, hkv, d))]
+        )
+        v = torch.cat([at.v_proj(ctx).view(a, hkv, d), at.v_proj(x).view(s_, hkv, d)])
+        cos, sin = draft.rotary(pos_b, q.dtype)
+        q = apply_rope(q, cos, sin)
+        cos, sin = draft.rotary(torch.cat([pos_c, pos_b]), k.dtype)
+        k = apply_rope(k, cos, sin)
+        k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5
+        out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        h = h + at.o_proj(out.reshape(s_, hq * d))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return F.linear(draft.norm(h), draft.__dict__["_head"].value)
+
+
+def _plant_block_one_position_late(mp: pytest.MonkeyPatch) -> None:
+    import codraft.draft.dflash as dflash
+
+    rows = dflash.rows_and_slots
+    mp.setattr(
+        dflash, "rows_and_slots", lambda cu, s: (lambda c, b, src: (c, b + 1, src))(*rows(cu, s))
+    )
+
+
+def _plant_context_sees_the_anchor(mp: pytest.MonkeyPatch) -> None:
+    import codraft.draft.dflash as dflash
+
+    dense = dflash.dense_block_attention_fn
+
+    def leaky(cu):  # row i's block also sees the context at position i + 1 (its anchor)
+        ref = dense(cu)
+
+        def attn(q, kc, vc, kb, vb):
+            shifted = torch.cat([kc[1:], kc[-1:]]), torch.cat([vc[1:], vc[-1:]])
+            return 0.5 * (ref(q, kc, vc, kb, vb) + ref(q, *shifted, kb, vb))
+
+        return attn
+
+    mp.setattr(dflash, "dense_block_attention_fn", leaky)
+
+
+@pytest.mark.parametrize(
+    "bug", [None, _plant_block_one_position_late, _plant_context_sees_the_anchor]
+)
+def test_every_row_is_the_block_vllm_would_serve_at_its_anchor(bug, monkeypatch):
+    if bug is not None:
+        bug(monkeypatch)
+        with pytest.raises(AssertionError):
+            _rows_match_served_blocks()
+    else:
+        _rows_match_served_blocks()
+
+
+def _rows_match_served_blocks() -> None:
+    cfg = _tiny()
+    draft = _draft(cfg)
+    lengths = [9, 3, 12]
+    cu = torch.tensor([0, 9, 12, 24], dtype=torch.int32)
+    ids = torch.randint(0, cfg.vocab_size, (24,))
+    taps = torch.randn(24, cfg.num_taps * cfg.target_hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        logits, source = draft(ids, taps, cu)
+        checked = 0
+        for doc, start in enumerate(cu[:-1].tolist()):
+            for a in range(1, lengths[doc]):  # anchor a of the document is row a - 1
+                want = _served_block(
+                    draft, ids[start : start + lengths[doc]], taps[start : start + lengths[doc]], a
+                )  # noqa: E501
+                got = logits[:, start + a - 1]
+                assert torch.allclose(got, want, atol=1e-10), (doc, a, (got - want).abs().max())
+                checked += 1
+    assert checked == 8 + 2 + 11
+    _, _, src = rows_and_slots(cu, cfg.block_size)
+    assert torch.equal(source, src)
+    # row i's slot s stands for packed token i + 1 + s, -1 past its document (doc 0 is 0..8)
+    assert source[0, 0].item() == 1 and source[3, 0].item() == 4 and source[0, 7].item() == 8
+    assert source[1, 7].item() == -1 and source[0, 8].item() == -1 and source[0, 9].item() == 10
+
+
+def test_the_learners_attention_gives_the_same_logits_and_gradients():
+    cfg = _tiny()
+    cu = torch.tensor([0, 5, 16, 20], dtype=torch.int32)
+    ids = torch.randint(0, cfg.vocab_size, (20,))
+    taps = torch.randn(20, cfg.num_taps * cfg.target_hidden_size, dtype=torch.float64)
+    grads = []
+    outs = []
+    for attn in (None, lambda q, kc, vc, kb, vb: block_draft_attention(q, kc, vc, kb, vb, cu)):
+        draft = _draft(cfg)
+        logits, _ = draft(ids, taps, cu, attn=attn)
+        logits.square().mean().backward()
+        outs.append(logits.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in draft.parameters()]))
+    assert torch.allclose(outs[0], outs[1], atol=1e-10)
+    assert torch.allclose(grads[0], grads[1], atol=1e-10)
+
+
+def test_target_head_shapes_are_checked():
+    draft = DFlashDraft(_tiny())
+    with pytest.raises(ValueError, match="expected \\[50, 32\\]"):
+        draft.set_target_head(torch.zeros(49, 32))
+    with pytest.raises(RuntimeError, match="set_target_head"):
+        draft.embed(torch.zeros(2, dtype=torch.long))
+
+
+# --------------------------------------------------------------------------------------------
+# stock vLLM
+# --------------------------------------------------------------------------------------------
+
+
+def _write(cfg: DFlashConfig, draft: DFlashDraft, folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
+    save_file(
+        {k: v.contiguous() for k, v in draft.state_dict().items()}, folder / "model.safetensors"
+    )
+    return folder
+
+
+@pytest.mark.vllm
+def test_stock_vllm_serves_a_codraft_dflash_draft_losslessly(tiny_llama_dir: Path, tmp_path: Path):
+    from codraft.server.offline import ArmSpec, run_arm_subprocess
+
+    target = TargetConfig.from_pretrained(tiny_llama_dir)
+    cfg = DFlashConfig.from_target(
+        target, mask_token_id=3, tap_layers=(1, 2, 4), block_size=4, dtype="float32"
+    )
+    draft = DFlashDraft(cfg)
+    folder = _write(cfg, draft, tmp_path / "dflash")
+    prompts = ["The quick brown fox", "def add(a, b):", "Once upon a time", "12 + 30 ="]
+
+    def arm(d: Path | None):
+        spec = ArmSpec(
+            target=str(tiny_llama_dir), draft=str(d) if d else None, prompts=prompts,
+            num_speculative_tokens=3, max_tokens=24, ignore_eos=True, max_model_len=256,
+            method="dflash",
+        )  # fmt: skip
+        return run_arm_subprocess(spec, tmp_path / "arms", timeout=600)
+
+    base, spec = arm(None), arm(folder)
+    assert spec.num_drafts > 0, "vLLM ran no speculative steps: the DFlash draft was not used"
+    assert spec.token_ids == base.token_ids
