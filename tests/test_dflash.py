@@ -5,6 +5,7 @@ codraft DFlash checkpoint with greedy output unchanged."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,84 @@ def test_stock_vllm_serves_a_codraft_dflash_draft_losslessly(tiny_llama_dir: Pat
     base, spec = arm(None), arm(folder)
     assert spec.num_drafts > 0, "vLLM ran no speculative steps: the DFlash draft was not used"
     assert spec.token_ids == base.token_ids
+
+
+# --------------------------------------------------------------------------------------------
+# the training objective
+# --------------------------------------------------------------------------------------------
+
+
+def _dense_loss(logits, ids, loss_mask, lengths, teacher, gamma, rows):
+    """The objective stated by positions: the block anchored at a (row a - 1) has slot s >= 1
+    predict the token at a + s, counted inside the document, on loss tokens."""
+    total, weights = 0.0, 0.0
+    start = 0
+    for n in lengths:
+        for a in range(1, n):
+            row = start + a - 1
+            if rows is not None and not rows[row]:
+                continue
+            for s in range(1, logits.shape[0]):
+                p = a + s
+                if p >= n or not loss_mask[start + p]:
+                    continue
+                logp = logits[s, row].log_softmax(-1)
+                if teacher is None:
+                    ce = -logp[ids[start + p]]
+                else:  # the target's logits at p - 1 predict the token at p
+                    ce = -(teacher[start + p - 1].softmax(-1) * logp).sum()
+                w = 1.0 if gamma is None else math.exp(-(s - 1) / gamma)
+                total = total + w * ce
+                weights += w
+        start += n
+    return total / weights
+
+
+@pytest.mark.parametrize("teacher", [False, True], ids=["labels", "teacher"])
+@pytest.mark.parametrize("gamma", [None, 2.0])
+def test_block_loss_matches_the_dense_objective(teacher, gamma, monkeypatch):
+    from codraft.learner.block_draft_loss import block_draft_loss
+
+    cfg = _tiny()
+    lengths = [7, 2, 11]
+    cu = torch.tensor([0, 7, 9, 20], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (20,), generator=gen)
+    loss_mask = torch.rand(20, generator=gen) > 0.3
+    rows = torch.rand(20, generator=gen) > 0.4
+    taps = torch.randn(20, cfg.num_taps * cfg.target_hidden_size, dtype=torch.float64)
+    t_logits = torch.randn(20, cfg.vocab_size, dtype=torch.float64) * 2 if teacher else None
+
+    def both():
+        out = []
+        for product in (True, False):
+            draft = _draft(cfg)
+            if product:
+                h, source = draft.hidden(ids, taps, cu)
+                got = block_draft_loss(
+                    h, draft.norm, draft.head_weight(), source, ids, loss_mask,
+                    teacher_logits=t_logits, gamma=gamma, rows=rows, chunk=3,
+                )  # fmt: skip
+                loss = got.loss
+            else:
+                logits, _ = draft(ids, taps, cu)
+                loss = _dense_loss(logits, ids, loss_mask, lengths, t_logits, gamma, rows)
+            loss.backward()
+            out.append((loss.detach(), torch.cat([p.grad.flatten() for p in draft.parameters()])))
+        return out
+
+    (lp, gp), (lr, gr) = both()
+    assert torch.allclose(lp, lr, atol=1e-12), (lp, lr)
+    assert torch.allclose(gp, gr, atol=1e-10), (gp - gr).abs().max()
+
+    import codraft.learner.block_draft_loss as bdl
+
+    # planted: the targets read one position late (the teacher at the label's own position,
+    # or the label of the next position, as an autoregressive draft would be trained)
+    ce = bdl.cross_entropy
+    monkeypatch.setattr(
+        bdl, "cross_entropy",
+        lambda h, w, t, *, index, **kw: ce(h, w, t, index=(index + 1).clamp(max=19), **kw),
+    )  # fmt: skip
+    (lp, _), (lr, _) = both()
+    assert not torch.allclose(lp, lr, atol=1e-6)

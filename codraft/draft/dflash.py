@@ -180,7 +180,7 @@ class DFlashDraft(nn.Module):
         """[..., H] -> [..., vocab] through the target's lm_head."""
         return F.linear(self.norm(h), self._shared("_head").to(h.dtype))
 
-    def forward(
+    def hidden(
         self,
         input_ids: torch.Tensor,
         taps: torch.Tensor,
@@ -188,12 +188,28 @@ class DFlashDraft(nn.Module):
         attn: BlockAttnFn | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's block over packed documents: input_ids [T], taps [T, n_taps * H_t],
-        cu_seqlens int32 [B + 1] -> (logits [S, T, vocab], source [S, T]: the packed index of
-        the token each slot stands for, -1 past the document)."""
+        cu_seqlens int32 [B + 1] -> (the last layer's output [S, T, H], before the final
+        norm; source [S, T]: the packed index of the token each slot stands for, -1 past the
+        document)."""
         ctx_pos, blk_pos, source = rows_and_slots(cu_seqlens.cpu(), self.config.block_size)
         h = self.embed(self.block_tokens(input_ids, source))
         ctx = self.context(taps)
         attn = attn or dense_block_attention_fn(cu_seqlens.cpu())
         for i in range(len(self.layers)):
             h = self.layer(i, h, ctx, ctx_pos, blk_pos, attn)
-        return self.logits(h), source.to(input_ids.device)
+        return h, source.to(input_ids.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        taps: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        attn: BlockAttnFn | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden` read out: (logits [S, T, vocab], source [S, T])."""
+        h, source = self.hidden(input_ids, taps, cu_seqlens, attn)
+        return self.logits(h), source
+
+    def head_weight(self) -> torch.Tensor:
+        """The target's lm_head weight [vocab, H] the draft reads out with (frozen)."""
+        return self._shared("_head")
