@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,16 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from codraft.draft.checkpoint import (
+    DraftCheckpointError,
+    DraftContract,
+    DraftMeta,
+    check_draft,
+    load_draft,
+    save_draft,
+    sha256_file,
+)
+from codraft.draft.config import DraftConfig
 from codraft.draft.dflash import DFlashDraft, rows_and_slots
 from codraft.draft.dflash_config import DFlashConfig, dflash_tap_layers
 from codraft.learner.attention.block_draft import block_draft_attention
@@ -193,13 +204,66 @@ def test_target_head_shapes_are_checked():
 # --------------------------------------------------------------------------------------------
 
 
-def _write(cfg: DFlashConfig, draft: DFlashDraft, folder: Path) -> Path:
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
-    save_file(
-        {k: v.contiguous() for k, v in draft.state_dict().items()}, folder / "model.safetensors"
-    )
-    return folder
+def test_checkpoints_round_trip_and_are_checked_like_eagle3_drafts(tmp_path: Path):
+    cfg = _tiny(dtype="float32")
+    draft = _draft(cfg).float()
+    path = save_draft(tmp_path / "d", draft, DraftMeta(version=3))
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    got_cfg, meta = check_draft(path, DraftContract.of(cfg))
+    assert got_cfg == cfg and meta.version == 3 and meta.tap_layers == cfg.tap_layers
+    loaded, _ = load_draft(path)
+    assert isinstance(loaded, DFlashDraft)
+    want = draft.state_dict()
+    assert loaded.state_dict().keys() == want.keys()
+    for name, a in loaded.state_dict().items():
+        assert torch.equal(a, want[name]), name
+    eagle = DraftConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, vocab_size=50, draft_vocab_size=50,
+                        target_hidden_size=32, tap_layers=(1, 3))  # fmt: skip
+    with pytest.raises(DraftCheckpointError, match="drafter kind: expected eagle3, found dflash"):
+        check_draft(path, DraftContract.of(eagle))
+
+    def damaged(name: str, edit) -> Path:
+        bad = tmp_path / name
+        shutil.copytree(path, bad)
+        edit(bad)
+        return bad
+
+    def extra_lm_head(p: Path) -> None:
+        t = dict(draft.state_dict()) | {"lm_head.weight": torch.zeros(50, 32)}
+        save_file({k: v.contiguous() for k, v in t.items()}, p / "model.safetensors")
+        meta = json.loads((p / "codraft.json").read_text())
+        meta["weights_sha256"] = sha256_file(p / "model.safetensors")
+        (p / "codraft.json").write_text(json.dumps(meta))
+
+    def nan(p: Path) -> None:
+        t = {k: v.clone().contiguous() for k, v in draft.state_dict().items()}
+        t["layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+        save_file(t, p / "model.safetensors")
+        meta = json.loads((p / "codraft.json").read_text())
+        meta["weights_sha256"] = sha256_file(p / "model.safetensors")
+        (p / "codraft.json").write_text(json.dumps(meta))
+
+    def config(p: Path, **kw) -> None:
+        hf = json.loads((p / "config.json").read_text())
+        hf["dflash_config"].update(kw)
+        (p / "config.json").write_text(json.dumps(hf))
+
+    cases = {
+        "truncated": (lambda p: (p / "model.safetensors").write_bytes(
+            (p / "model.safetensors").read_bytes()[:-100]), "truncated"),
+        "lm_head stored": (extra_lm_head, "unexpected tensor"),
+        "NaN": (nan, "NaN"),
+        "causal": (lambda p: config(p, causal=True), "causal"),
+        "no mask token": (lambda p: (lambda hf: (hf["dflash_config"].pop("mask_token_id"),
+            (p / "config.json").write_text(json.dumps(hf))))(
+            json.loads((p / "config.json").read_text())), "mask_token_id"),
+        "taps disagree": (lambda p: config(p, target_layer_ids=[0, 1]), "tap layers disagree"),
+    }  # fmt: skip
+    for name, (edit, match) in cases.items():
+        bad = damaged(name.replace(" ", "-"), edit)
+        with pytest.raises(DraftCheckpointError, match=match):
+            load_draft(bad)
 
 
 @pytest.mark.vllm
@@ -210,8 +274,7 @@ def test_stock_vllm_serves_a_codraft_dflash_draft_losslessly(tiny_llama_dir: Pat
     cfg = DFlashConfig.from_target(
         target, mask_token_id=3, tap_layers=(1, 2, 4), block_size=4, dtype="float32"
     )
-    draft = DFlashDraft(cfg)
-    folder = _write(cfg, draft, tmp_path / "dflash")
+    folder = save_draft(tmp_path / "dflash", DFlashDraft(cfg), DraftMeta())
     prompts = ["The quick brown fox", "def add(a, b):", "Once upon a time", "12 + 30 ="]
 
     def arm(d: Path | None):

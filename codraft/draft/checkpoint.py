@@ -1,12 +1,17 @@
-"""EAGLE-3 draft checkpoints: the folder stock vLLM / SGLang load, plus codraft's sidecar.
+"""Draft checkpoints: the folder stock vLLM / SGLang load, plus codraft's sidecar.
 
 A checkpoint is a directory holding
 
-* `config.json`        `DraftConfig.to_hf_dict()` (architectures ["LlamaForCausalLMEagle3"])
-* `model.safetensors`  fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t (int64), t2d
-                       (bool); no embed_tokens (shared with the target). With a full-vocab draft
-                       (draft_vocab_size == vocab_size) d2t/t2d are left out, because vLLM then
-                       has no parameter to load d2t into and refuses the checkpoint.
+* `config.json`        the draft's config as the engine reads it: `DraftConfig.to_hf_dict()`
+                       for an EAGLE-3 draft (architectures ["LlamaForCausalLMEagle3"]),
+                       `DFlashConfig.to_hf_dict()` for a DFlash block drafter
+                       (["DFlashDraftModel"]); the architecture names the kind
+* `model.safetensors`  EAGLE-3: fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t (int64),
+                       t2d (bool); no embed_tokens (shared with the target). With a full-vocab
+                       draft (draft_vocab_size == vocab_size) d2t/t2d are left out, because vLLM
+                       then has no parameter to load d2t into and refuses the checkpoint.
+                       DFlash: fc.weight, hidden_norm.weight, layers.{i}.*, norm.weight; no
+                       embedding and no lm_head (both the target's).
 * `codraft.json`       `DraftMeta`: versions, tap layers, sha256 of model.safetensors, counters.
 
 It is written into a temp dir and renamed into place (codraft.atomic), so a reader never sees a
@@ -36,6 +41,8 @@ from safetensors.torch import save_file
 
 from codraft.atomic import atomic_write_dir
 from codraft.draft.config import DraftConfig, dtype_name
+from codraft.draft.dflash import DFlashDraft
+from codraft.draft.dflash_config import DFLASH_ARCHITECTURE, DFlashConfig
 from codraft.draft.model import Eagle3Draft
 from codraft.draft.vocab import check_vocab_maps, identity_maps
 
@@ -55,6 +62,7 @@ _ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "U8": (torch.uint8, 1),
     "BOOL": (torch.bool, 1),
 }
+AnyDraftConfig = DraftConfig | DFlashConfig
 # A draft's safetensors header names ~15 tensors in about 2 KB; a header larger than this is
 # refused before it is read (safetensors itself allows 100 MB).
 MAX_HEADER_BYTES = 1 << 20
@@ -156,6 +164,7 @@ class DraftContract:
     target_hidden_size: int
     target_vocab_size: int
     tap_layers: tuple[int, ...]
+    kind: str | None = None  # "eagle3" or "dflash"
     draft_vocab_size: int | None = None
     hidden_size: int | None = None
     num_attention_heads: int | None = None
@@ -164,7 +173,7 @@ class DraftContract:
     target_fingerprint: str | None = None
 
     @classmethod
-    def of(cls, cfg: DraftConfig, *, exact: bool = True) -> DraftContract:
+    def of(cls, cfg: AnyDraftConfig, *, exact: bool = True) -> DraftContract:
         """The contract a draft with config `cfg` satisfies (exact: also its whole geometry)."""
         geometry = dict(
             draft_vocab_size=cfg.draft_vocab_size,
@@ -177,12 +186,14 @@ class DraftContract:
             target_hidden_size=cfg.target_hidden_size,
             target_vocab_size=cfg.vocab_size,
             tap_layers=tuple(cfg.tap_layers),
+            kind=cfg.kind,
             **(geometry if exact else {}),
         )
 
-    def problems(self, cfg: DraftConfig, meta: DraftMeta | None = None) -> list[str]:
+    def problems(self, cfg: AnyDraftConfig, meta: DraftMeta | None = None) -> list[str]:
         """Every way `cfg` (and `meta`) breaks the contract, as 'what: expected X, found Y'."""
         pairs = [
+            ("drafter kind", self.kind, cfg.kind),
             ("target hidden size", self.target_hidden_size, cfg.target_hidden_size),
             ("target vocab size", self.target_vocab_size, cfg.vocab_size),
             ("tap layers", list(self.tap_layers), list(cfg.tap_layers)),
@@ -202,8 +213,43 @@ class DraftContract:
 
 
 # ---------------------------------------------------------------------------- save
-def expected_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+def config_from_hf(hf: Any) -> AnyDraftConfig:
+    """The draft config of a config.json, by its architecture (DFlash or EAGLE-3)."""
+    archs = (hf.get("architectures") or []) if isinstance(hf, dict) else []
+    if DFLASH_ARCHITECTURE in archs:
+        return DFlashConfig.from_hf_dict(hf)
+    if not isinstance(hf, dict):
+        raise ValueError(f"expected a JSON object, found {type(hf).__name__}")
+    return DraftConfig.from_hf_dict(hf)
+
+
+def _dflash_tensors(cfg: DFlashConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    H, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    out: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {
+        "fc.weight": ((H, cfg.num_taps * cfg.target_hidden_size), None),
+        "hidden_norm.weight": ((H,), None),
+        "norm.weight": ((H,), None),
+    }
+    for i in range(cfg.num_hidden_layers):
+        for name, shape in (
+            ("input_layernorm", (H,)), ("post_attention_layernorm", (H,)),
+            ("self_attn.q_proj", (q, H)), ("self_attn.k_proj", (kv, H)),
+            ("self_attn.v_proj", (kv, H)), ("self_attn.o_proj", (H, q)),
+            ("self_attn.q_norm", (hd,)), ("self_attn.k_norm", (hd,)),
+            ("mlp.gate_proj", (inter, H)), ("mlp.up_proj", (inter, H)),
+            ("mlp.down_proj", (H, inter)),
+        ):  # fmt: skip
+            out[f"layers.{i}.{name}.weight"] = (shape, None)
+    return out
+
+
+def expected_tensors(
+    cfg: AnyDraftConfig,
+) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
     """Checkpoint tensor name -> (shape, dtype); dtype None means the draft's float dtype."""
+    if isinstance(cfg, DFlashConfig):
+        return _dflash_tensors(cfg)
     H, hd = cfg.hidden_size, cfg.head_dim
     q, kv, inter = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.intermediate_size
     out: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {
@@ -229,7 +275,7 @@ def expected_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch
 
 def save_draft(
     out_dir: str | os.PathLike,
-    model: Eagle3Draft,
+    model: Eagle3Draft | DFlashDraft,
     meta: DraftMeta,
     *,
     overwrite: bool = False,
@@ -303,7 +349,7 @@ def read_meta(path: str | os.PathLike) -> DraftMeta:
 
 def _read_config_and_meta(
     root: Path, expect: DraftContract | None
-) -> tuple[DraftConfig, DraftMeta]:
+) -> tuple[AnyDraftConfig, DraftMeta]:
     if not root.is_dir():
         _fail(root, "checkpoint directory not found" if not root.exists() else "not a directory")
     real_root = root.resolve()
@@ -322,11 +368,11 @@ def _read_config_and_meta(
                 "files must lie in its folder (copy the file instead of linking it)",
             )
     try:
-        cfg = DraftConfig.from_hf_dict(_read_json(root / CONFIG_NAME))
+        cfg = config_from_hf(_read_json(root / CONFIG_NAME))
     except DraftCheckpointError:
         raise
-    except (ValueError, TypeError) as e:
-        _fail(root / CONFIG_NAME, f"not a usable EAGLE-3 draft config: {e}")
+    except (ValueError, TypeError, KeyError) as e:
+        _fail(root / CONFIG_NAME, f"not a usable draft config (EAGLE-3 or DFlash): {e}")
     meta = read_meta(root)
     if tuple(meta.tap_layers) != cfg.tap_layers:
         _fail(
@@ -390,7 +436,7 @@ def _read_header(f: BinaryIO, size: int, where: Path) -> Header:
     return out
 
 
-def _check_tensors(header: Header, cfg: DraftConfig, where: Path) -> torch.dtype:
+def _check_tensors(header: Header, cfg: AnyDraftConfig, where: Path) -> torch.dtype:
     """Names, shapes and dtypes against the config; returns the float dtype."""
     want = expected_tensors(cfg)
     if cfg.full_vocab and "d2t" in header:
@@ -398,7 +444,7 @@ def _check_tensors(header: Header, cfg: DraftConfig, where: Path) -> torch.dtype
             where,
             f"d2t present although draft_vocab_size == vocab_size ({cfg.vocab_size}): "
             "vLLM has no draft_id_to_target_id parameter then and refuses the checkpoint; "
-            "drop d2t/t2d or use a smaller draft vocab",
+            "drop d2t/t2d or use a smaller draft vocab (a DFlash draft has neither)",
         )
     missing = sorted(set(want) - set(header))
     if missing:
@@ -408,7 +454,7 @@ def _check_tensors(header: Header, cfg: DraftConfig, where: Path) -> torch.dtype
         _fail(
             where,
             f"unexpected tensor(s) {extra} (expected exactly {sorted(want)}; "
-            "embeddings are shared with the target and never stored)",
+            "embeddings, and a DFlash draft's lm_head, are the target's and never stored)",
         )
     for name, (shape, _) in want.items():
         if header[name][1] != shape:
@@ -458,7 +504,7 @@ def _check_finite(tensors: dict[str, torch.Tensor], where: Path) -> None:
 
 def check_draft(
     path: str | os.PathLike, expect: DraftContract | None = None
-) -> tuple[DraftConfig, DraftMeta]:
+) -> tuple[AnyDraftConfig, DraftMeta]:
     """Validate a checkpoint (files, config, sidecar, contract, header, sha256, tensor names,
     shapes, dtypes, d2t/t2d) without building the model or reading the float weights (so
     not whether they are finite: `load_draft` and the server's swap check that too). Raises
@@ -485,10 +531,10 @@ def load_draft(
     *,
     expect: DraftContract | None = None,
     device: torch.device | str = "cpu",
-) -> tuple[Eagle3Draft, DraftMeta]:
+) -> tuple[Eagle3Draft | DFlashDraft, DraftMeta]:
     """Validate (as check_draft) and load a checkpoint; the weights are read once, so the
     verified bytes are the loaded bytes. The model is in the stored dtype; call
-    `set_embedding` before use."""
+    `set_embedding` (EAGLE-3) or `set_target_head` (DFlash) before use."""
     root = Path(path)
     cfg, meta = _read_config_and_meta(root, expect)
     weights = root / WEIGHTS_NAME
@@ -503,10 +549,14 @@ def load_draft(
         tensors = safetensors.torch.load(data)
     except Exception as e:  # safetensors raises its own error types
         _fail(weights, f"unreadable safetensors file: {e}")
+    _check_finite(tensors, weights)
+    if isinstance(cfg, DFlashConfig):
+        model: Eagle3Draft | DFlashDraft = DFlashDraft(cfg, dtype=dtype, device="meta")
+        model.load_state_dict(tensors, strict=True, assign=True)
+        return model.to(device), meta
     if cfg.full_vocab:
         tensors["d2t"], tensors["t2d"] = identity_maps(cfg.draft_vocab_size, cfg.vocab_size)
     _check_maps(tensors["d2t"], tensors["t2d"], cfg, weights)
-    _check_finite(tensors, weights)
     model = Eagle3Draft(cfg, dtype=dtype, device="meta")
     model.load_state_dict(tensors, strict=True, assign=True)
     return model.to(device), meta

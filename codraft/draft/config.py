@@ -155,6 +155,8 @@ class DraftConfig:
         self.rope_scaling = dict(self.rope_scaling) if self.rope_scaling else None
         self.dtype = dtype_name(self.dtype)
 
+    kind = "eagle3"  # the drafter kind (a class attribute, not a field)
+
     # ------------------------------------------------------------------ derived
     @property
     def num_taps(self) -> int:

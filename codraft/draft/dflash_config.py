@@ -134,9 +134,20 @@ class DFlashConfig:
         self.rope_scaling = dict(self.rope_scaling) if self.rope_scaling else None
         self.dtype = dtype_name(self.dtype)
 
+    kind = "dflash"  # the drafter kind (a class attribute, not a field)
+
     @property
     def num_taps(self) -> int:
         return len(self.tap_layers)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """The draft reads out with the target's lm_head: the whole target vocabulary."""
+        return self.vocab_size
+
+    @property
+    def full_vocab(self) -> bool:
+        return True
 
     @property
     def torch_dtype(self) -> torch.dtype:
