@@ -23,9 +23,10 @@ from tqdm import tqdm
 
 from codraft.learner.checkpoints import newest_good
 from codraft.learner.data.packing import Sample, pack_stream
+from codraft.learner.dflash_trainer import make_trainer
 from codraft.learner.parallel.context import ContextParallel
 from codraft.learner.parallel.launch import ParallelConfig, init_distributed, my_batches, shutdown
-from codraft.learner.trainer import StepMetrics, TrainConfig, Trainer
+from codraft.learner.trainer import StepMetrics, TrainConfig
 from codraft.models.config import TargetConfig
 from codraft.prepare import resolve_model
 from codraft.tap import TapDataset, TapExpectation, model_fingerprint, read_taps
@@ -86,7 +87,7 @@ def train_from_dir(cfg: OfflineConfig, *, target_config: TargetConfig | None = N
     main = mesh.is_main
     fresh = newest_good(out) is None
     counts = token_counts(data, tcfg.vocab_size, expect) if fresh else None
-    trainer = Trainer(
+    trainer = make_trainer(
         target, out, train, token_counts=counts, parallel=parallel, target_config=tcfg
     )
     position = trainer.resume()

@@ -57,6 +57,15 @@ class TrainConfig:
     keep_checkpoints: int = 3
     seed: int = 0
     recompute: bool = False  # run the target here (ids-only data) instead of streamed features
+    drafter: str = "eagle3"  # "eagle3" (TTT passes) or "dflash" (a block drafter)
+    block_size: int = 8  # dflash: slots per block (the anchor and block_size - 1 proposals)
+    dflash_layers: int = 2  # dflash: draft decoder layers
+    mask_token_id: int = 0  # dflash: the token id of every mask slot (a target vocabulary id)
+    slot_decay: float | None = 4.0  # dflash: slot s's loss weighted exp(-(s - 1) / slot_decay)
+
+    def __post_init__(self) -> None:
+        if self.drafter not in ("eagle3", "dflash"):
+            raise ValueError(f"drafter must be 'eagle3' or 'dflash', got {self.drafter!r}")
 
     def teacher_torch_dtype(self, device: torch.device) -> torch.dtype:
         """`teacher_dtype` resolved for a step on `device`."""
@@ -149,16 +158,9 @@ class Trainer:
             embedding = load_embedding(self.target_dir, device=self.device, config=target_config)
         if draft is None:
             torch.manual_seed(cfg.seed)
-            draft = new_draft(
-                self.target_config,
-                token_counts,
-                draft_vocab_size=min(cfg.draft_vocab_size, self.target_config.vocab_size),
-                tap_layers=cfg.tap_layers,
-                dtype="float32",
-                seed=cfg.seed,
-            )
+            draft = self.new_draft(token_counts)
         self.draft = draft.to(self.device).train()
-        self.draft.set_embedding(embedding.to(self.device))
+        self.attach_target(embedding.to(self.device))
         self.opt = torch.optim.AdamW(
             self.draft.parameters(),
             lr=cfg.lr,
@@ -171,6 +173,22 @@ class Trainer:
         self.step_count = 0
         self.draft_version = 0
         self.tokens_seen = 0
+
+    def new_draft(self, token_counts: torch.Tensor | None) -> Any:
+        """A fresh draft for the target (an EAGLE-3 draft here)."""
+        cfg = self.cfg
+        return new_draft(
+            self.target_config,
+            token_counts,
+            draft_vocab_size=min(cfg.draft_vocab_size, self.target_config.vocab_size),
+            tap_layers=cfg.tap_layers,
+            dtype="float32",
+            seed=cfg.seed,
+        )
+
+    def attach_target(self, embedding: torch.Tensor) -> None:
+        """Share the target's frozen parts with the draft (EAGLE-3: the embedding)."""
+        self.draft.set_embedding(embedding)
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
