@@ -41,6 +41,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-seconds", type=float, default=None, help="online: stop after this")
     p.add_argument("--k", type=int, default=TrainConfig.num_passes, help="TTT passes")
+    p.add_argument(
+        "--drafter",
+        choices=("eagle3", "dflash"),
+        default=TrainConfig.drafter,
+        help="the draft to train: EAGLE-3 (TTT passes) or a DFlash block drafter (offline; "
+        "online serving of DFlash drafts is not wired yet)",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=TrainConfig.block_size, help="dflash: slots a block"
+    )
+    p.add_argument(
+        "--dflash-layers", type=int, default=TrainConfig.dflash_layers, help="dflash: layers"
+    )
+    p.add_argument(
+        "--mask-token",
+        type=int,
+        default=TrainConfig.mask_token_id,
+        help="dflash: the target vocabulary id every mask slot holds",
+    )
+    p.add_argument(
+        "--slot-decay",
+        type=float,
+        default=TrainConfig.slot_decay,
+        help="dflash: slot s's loss weight is exp(-(s-1)/this); 0 weighs every slot alike",
+    )
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--token-budget", type=int, default=TrainConfig.token_budget)
     p.add_argument("--draft-vocab", type=int, default=TrainConfig.draft_vocab_size)
@@ -116,6 +141,11 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         lr=args.lr,
         num_passes=args.k,
+        drafter=args.drafter,
+        block_size=args.block_size,
+        dflash_layers=args.dflash_layers,
+        mask_token_id=args.mask_token,
+        slot_decay=args.slot_decay or None,
         token_budget=args.token_budget,
         draft_vocab_size=args.draft_vocab,
         loss_chunk_tokens=args.loss_chunk,
@@ -184,6 +214,11 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=fmt)
     if bool(args.from_dir) == bool(args.server):
         raise SystemExit("codraft learn: give exactly one of --from-dir DIR or --server URL")
+    if args.drafter == "dflash" and (args.server or args.pp > 1):
+        raise SystemExit(
+            "codraft learn: --drafter dflash trains offline (--from-dir) in one pipeline stage "
+            "for now; online DFlash (--server) and --pp are not wired yet"
+        )
     if args.pp > 1 and args.from_dir:
         from codraft.learner.pipeline_trainer import train_pipeline
 
