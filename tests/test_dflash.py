@@ -29,6 +29,7 @@ from codraft.draft.dflash_config import DFlashConfig, dflash_tap_layers
 from codraft.learner.attention.block_draft import block_draft_attention
 from codraft.models.config import TargetConfig
 from codraft.models.layers import apply_rope
+from codraft.testing import CONSTANT_TOKEN, make_constant_target
 
 
 def _tiny(**kw) -> DFlashConfig:
@@ -266,6 +267,27 @@ def test_checkpoints_round_trip_and_are_checked_like_eagle3_drafts(tmp_path: Pat
             load_draft(bad)
 
 
+def _agreeing_dflash(target: Path, out: Path, *, misplace: bool = False) -> Path:
+    """A DFlash draft that proposes CONSTANT_TOKEN at every slot for make_constant_target's
+    target: its o_proj and down_proj are zero, so each slot's output is its own embedding (+4 in
+    dimension 0, the target's), which the target's lm_head reads as CONSTANT_TOKEN. `misplace`
+    flips the final norm's dimension 0, so the same draft never proposes it. Only a vLLM that
+    shares the target's lm_head and samples the mask slots' outputs accepts the first."""
+    tcfg = TargetConfig.from_pretrained(target)
+    cfg = DFlashConfig.from_target(
+        tcfg, mask_token_id=5, num_hidden_layers=2, block_size=4, tap_layers=(1, 2, 4),
+        dtype="float32",
+    )  # fmt: skip
+    draft = DFlashDraft(cfg)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
+        if misplace:
+            draft.norm.weight[0] = -1.0
+    return save_draft(out, draft, DraftMeta())
+
+
 @pytest.mark.vllm
 def test_stock_vllm_serves_a_codraft_dflash_draft_losslessly(tiny_llama_dir: Path, tmp_path: Path):
     from codraft.server.offline import ArmSpec, run_arm_subprocess
@@ -277,17 +299,28 @@ def test_stock_vllm_serves_a_codraft_dflash_draft_losslessly(tiny_llama_dir: Pat
     folder = save_draft(tmp_path / "dflash", DFlashDraft(cfg), DraftMeta())
     prompts = ["The quick brown fox", "def add(a, b):", "Once upon a time", "12 + 30 ="]
 
-    def arm(d: Path | None):
+    def arm(target: Path, d: Path | None):
         spec = ArmSpec(
-            target=str(tiny_llama_dir), draft=str(d) if d else None, prompts=prompts,
+            target=str(target), draft=str(d) if d else None, prompts=prompts,
             num_speculative_tokens=3, max_tokens=24, ignore_eos=True, max_model_len=256,
             method="dflash",
         )  # fmt: skip
         return run_arm_subprocess(spec, tmp_path / "arms", timeout=600)
 
-    base, spec = arm(None), arm(folder)
+    base, spec = arm(tiny_llama_dir, None), arm(tiny_llama_dir, folder)
     assert spec.num_drafts > 0, "vLLM ran no speculative steps: the DFlash draft was not used"
     assert spec.token_ids == base.token_ids
+
+    constant = make_constant_target(tiny_llama_dir, tmp_path / "constant-target")
+    base = arm(constant, None)
+    assert all(t == [CONSTANT_TOKEN] * 24 for t in base.token_ids), "the target is not constant"
+    good = arm(constant, _agreeing_dflash(constant, tmp_path / "good"))
+    assert good.token_ids == base.token_ids
+    rate = good.num_accepted_tokens / good.num_draft_tokens
+    assert rate > 0.9, f"the agreeing DFlash draft had {rate:.0%} of its proposals accepted"
+    bad = arm(constant, _agreeing_dflash(constant, tmp_path / "bad", misplace=True))
+    assert bad.token_ids == base.token_ids
+    assert bad.num_accepted_tokens / bad.num_draft_tokens < 0.1
 
 
 # --------------------------------------------------------------------------------------------
