@@ -11,6 +11,7 @@ for DFlash yet: the attention is (`ring_block_draft`), the rolls of the labels a
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -54,6 +55,17 @@ class DFlashTrainer(Trainer):
         t0 = time.perf_counter()
         cfg = self.cfg
         batch = batch.to(self.device)
+        want = self.draft.fc.in_features
+        if batch.taps is not None and batch.taps.shape[-1] != want:
+            if self.teacher.mode != "recompute":
+                raise ValueError(
+                    f"the batch's taps are {batch.taps.shape[-1]} wide, but this DFlash draft "
+                    f"reads {want} ({len(self.tap_layers)} taps at layers "
+                    f"{list(self.tap_layers)}): record taps at those layers (the server's "
+                    "tap layers follow the draft it serves), or train with --recompute so the "
+                    "learner runs the target itself"
+                )
+            batch = replace(batch, taps=None)
         if batch.taps is None or batch.last_hidden is None:
             batch = self.teacher.fill(batch, self.tap_layers)
         teacher = self.teacher.logits(batch.last_hidden)  # [N, V]: predicts the next token

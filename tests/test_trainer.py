@@ -240,3 +240,18 @@ def test_dflash_training_lowers_the_loss_and_resumes_exactly(
     wb, _ = load_draft(resumed["draft"])
     for (name, a), (_, b) in zip(wa.state_dict().items(), wb.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"{name} differs after resume")
+
+
+def test_dflash_trainer_recomputes_taps_it_was_not_sent(tiny_llama_dir: Path, taps_dir: Path,
+                                                        tmp_path: Path) -> None:  # fmt: skip
+    """Recorded taps at other layers than the DFlash draft reads: refused by name when the
+    learner only holds the target's head, recomputed at the draft's layers with --recompute."""
+    from codraft.learner.dflash_trainer import DFlashTrainer
+
+    batch = pack([Sample.from_tap(m) for m in list(read_taps(taps_dir))[:3]])
+    cfg = TrainConfig(drafter="dflash", block_size=3, dflash_layers=1, tap_layers=(2, 4),
+                      device="cpu")  # fmt: skip
+    with pytest.raises(ValueError, match="record taps at those layers"):
+        DFlashTrainer(tiny_llama_dir, tmp_path / "a", cfg).step(batch)
+    m = DFlashTrainer(tiny_llama_dir, tmp_path / "b", replace(cfg, recompute=True)).step(batch)
+    assert m.loss > 0 and len(m.pass_acc) == 2
