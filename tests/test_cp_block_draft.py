@@ -5,16 +5,12 @@ halves swapped; the block seeing only the slot's own key) must fail."""
 
 from __future__ import annotations
 
-import json
-import tempfile
-from datetime import timedelta
 from functools import cache
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo import max_over_ranks
 from planted_bugs import planted
 
 from codraft.learner.attention import ring_block_draft
@@ -83,28 +79,9 @@ def _cases(rank: int, world: int) -> dict[str, float]:
     return res
 
 
-def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=120),
-    )  # fmt: skip
-    try:
-        res = _cases(rank, world)
-        vals = torch.tensor(list(res.values()), dtype=torch.float64)
-        dist.all_reduce(vals, op=dist.ReduceOp.MAX)
-        if rank == 0:
-            Path(out_file).write_text(json.dumps(dict(zip(res, vals.tolist(), strict=True))))
-    finally:
-        dist.destroy_process_group()
-
-
 @cache
 def _run(world: int) -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "results.json"
-        mp.spawn(_worker, args=(world, str(Path(tmp) / "init"), str(out)), nprocs=world)
-        return json.loads(out.read_text())
+    return max_over_ranks(_cases, world)
 
 
 CASES = [f"{name}/{dt}" for name in LAYOUTS for dt in TOL]

@@ -71,6 +71,39 @@ def _as_int(name: str, value: Any) -> int:
         raise TypeError(f"{name} must be an integer, got {value!r}") from None
 
 
+def check_heads(heads: int, kv_heads: int, head_dim: int) -> None:
+    """GQA and rotary constraints of a draft's attention."""
+    if heads % kv_heads:
+        raise ValueError(
+            f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+        )
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for rotary embedding, got {head_dim}")
+
+
+def checked_taps(taps: Sequence[Any], lowest: int, why: str) -> tuple[int, ...]:
+    """Tap layers as ints, at least `lowest` and strictly increasing (vLLM collects taps in
+    layer order, once per layer, so any other order would silently feed fc a different input
+    than it was trained on); `why` explains `lowest` in the error."""
+    out = tuple(_as_int("tap layer", t) for t in taps)
+    if not out:
+        raise ValueError("tap_layers must name at least one target layer")
+    if out[0] < lowest or any(a >= b for a, b in zip(out, out[1:], strict=False)):
+        raise ValueError(
+            f"tap_layers must be >= {lowest} and strictly increasing, got {list(out)}: vLLM "
+            f"collects taps in layer order, once per layer{why}"
+        )
+    return out
+
+
+def normalise_floats(cfg: Any) -> None:
+    """The float and dtype fields every draft config shares, in canonical form."""
+    cfg.rms_norm_eps = float(cfg.rms_norm_eps)
+    cfg.rope_theta = float(cfg.rope_theta)
+    cfg.rope_scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
+    cfg.dtype = dtype_name(cfg.dtype)
+
+
 def dtype_name(dtype: torch.dtype | str) -> str:
     """Canonical name ("bfloat16", ...) of a torch dtype or dtype name."""
     if isinstance(dtype, str):
@@ -119,13 +152,7 @@ class DraftConfig:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
             setattr(self, name, value)
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embedding, got {self.head_dim}")
+        check_heads(self.num_attention_heads, self.num_key_value_heads, self.head_dim)
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size ({self.draft_vocab_size}) cannot exceed the target vocab_size "
@@ -138,22 +165,8 @@ class DraftConfig:
                 "vLLM only shares them when the widths match (a codraft checkpoint has no "
                 "embed_tokens of its own)"
             )
-        self.tap_layers = tuple(_as_int("tap layer", t) for t in self.tap_layers)
-        if not self.tap_layers:
-            raise ValueError("tap_layers must name at least one target layer")
-        if self.tap_layers[0] < 0 or any(
-            a >= b for a, b in zip(self.tap_layers, self.tap_layers[1:], strict=False)
-        ):
-            raise ValueError(
-                f"tap_layers must be non-negative and strictly increasing, got "
-                f"{list(self.tap_layers)}: vLLM collects taps in layer order, once per layer, "
-                "so any other order would silently feed fc a different input than it was "
-                "trained on"
-            )
-        self.rms_norm_eps = float(self.rms_norm_eps)
-        self.rope_theta = float(self.rope_theta)
-        self.rope_scaling = dict(self.rope_scaling) if self.rope_scaling else None
-        self.dtype = dtype_name(self.dtype)
+        self.tap_layers = checked_taps(self.tap_layers, 0, "")
+        normalise_floats(self)
 
     kind = "eagle3"  # the drafter kind (a class attribute, not a field)
 

@@ -25,29 +25,19 @@ vLLM (the ``DFlashDraftModel`` architecture, ``qwen3_dflash.DFlashQwen3ForCausal
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from codraft.draft.config import DTYPES, dtype_name
+from codraft.draft.config import DTYPES, _as_int, check_heads, checked_taps, normalise_floats
 from codraft.models.config import read_rope
 
 if TYPE_CHECKING:
     from codraft.models.config import TargetConfig
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
-
-
-def _as_int(name: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {value!r}") from None
 
 
 def dflash_tap_layers(num_layers: int, num_taps: int = 5) -> tuple[int, ...]:
@@ -99,13 +89,7 @@ class DFlashConfig:
                 f"block_size must be >= 2 (the anchor and at least one mask slot), got "
                 f"{self.block_size}"
             )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embedding, got {self.head_dim}")
+        check_heads(self.num_attention_heads, self.num_key_value_heads, self.head_dim)
         if self.hidden_size != self.target_hidden_size:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must equal target_hidden_size "
@@ -118,21 +102,12 @@ class DFlashConfig:
                 f"mask_token_id {self.mask_token_id} is outside the target vocabulary "
                 f"0..{self.vocab_size - 1}: the mask slot is embedded with the target's row"
             )
-        self.tap_layers = tuple(_as_int("tap layer", t) for t in self.tap_layers)
-        if not self.tap_layers:
-            raise ValueError("tap_layers must name at least one target layer")
-        if self.tap_layers[0] < 1 or any(
-            a >= b for a, b in zip(self.tap_layers, self.tap_layers[1:], strict=False)
-        ):
-            raise ValueError(
-                f"tap_layers must be >= 1 and strictly increasing, got {list(self.tap_layers)}: "
-                "DFlash's target_layer_ids are tap - 1 (tap 0, the embeddings, has no id), and "
-                "vLLM collects taps in layer order, once per layer"
-            )
-        self.rms_norm_eps = float(self.rms_norm_eps)
-        self.rope_theta = float(self.rope_theta)
-        self.rope_scaling = dict(self.rope_scaling) if self.rope_scaling else None
-        self.dtype = dtype_name(self.dtype)
+        self.tap_layers = checked_taps(
+            self.tap_layers,
+            1,
+            "; DFlash's target_layer_ids are tap - 1, so tap 0 (the embeddings) has no id",
+        )
+        normalise_floats(self)
 
     kind = "dflash"  # the drafter kind (a class attribute, not a field)
 
