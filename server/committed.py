@@ -29,37 +29,74 @@ def record_path(work_dir: str | Path, model: Path) -> Path:
     return Path(work_dir) / f"committed-draft-{key}.json"
 
 
+EARLIER = 7  # earlier commits kept in the record, newest first
+
+
+def _entry(draft: dict[str, Any]) -> dict[str, Any]:
+    return {k: draft.get(k) for k in ("version", "sha256", "path", "loaded_at")}
+
+
 def write_record(path: Path, draft: dict[str, Any]) -> None:
-    """Record `draft` (codraft_info's draft: version, sha256, path, loaded_at) atomically."""
-    keep = {k: draft.get(k) for k in ("version", "sha256", "path", "loaded_at")}
-    atomic_write_json(path, keep)
+    """Record `draft` (codraft_info's draft: version, sha256, path, loaded_at) atomically, with
+    the `EARLIER` commits before it (newest first): a restart falls back through them when the
+    newest commit's files no longer check out (a learner that rewrote its checkpoint folder, a
+    damaged disk). The caller writes one record at a time."""
+    earlier: list[dict[str, Any]] = []
+    try:
+        old = json.loads(path.read_text())
+        if isinstance(old, dict) and "path" in old:
+            earlier = [_entry(old)] + [e for e in old.get("earlier", []) if isinstance(e, dict)]
+    except (OSError, ValueError):
+        pass
+    new = _entry(draft)
+    same = (new["version"], new["sha256"], new["path"])
+    earlier = [e for e in earlier if (e.get("version"), e.get("sha256"), e.get("path")) != same]
+    atomic_write_json(path, {**new, "earlier": earlier[:EARLIER]})
+
+
+def _usable(entry: Any, record: Path) -> tuple[Path, int] | None:
+    """(checkpoint folder, version) of a record entry whose checkpoint still checks out with
+    the recorded version and sha256, else None (with a warning)."""
+    from codraft.draft.checkpoint import DraftCheckpointError, check_draft
+
+    try:
+        path, version, sha = Path(entry["path"]), int(entry["version"]), str(entry["sha256"])
+        _, meta = check_draft(path)
+    except (KeyError, TypeError, ValueError, DraftCheckpointError) as e:
+        log.warning("ignoring an entry of the committed-draft record %s: %s", record, e)
+        return None
+    if meta.weights_sha256 != sha or meta.version != version:
+        log.warning(
+            "ignoring an entry of the committed-draft record %s: %s is now v%d (sha256 %s), "
+            "the record says v%d (%s)", record, path, meta.version, meta.weights_sha256,
+            version, sha,
+        )  # fmt: skip
+        return None
+    return path, version
 
 
 def choose_draft(record: Path, start: Path) -> Path:
-    """The recorded draft when it is whole and newer than `start` (the --draft folder or the
-    untrained draft), else `start`."""
-    from codraft.draft.checkpoint import DraftCheckpointError, check_draft, read_meta
+    """The newest recorded draft that is whole (falling back through earlier commits when the
+    newest one's files no longer check out), when it is newer than `start` (the --draft folder
+    or the untrained draft); else `start`."""
+    from codraft.draft.checkpoint import DraftCheckpointError, read_meta
 
     try:
         rec = json.loads(record.read_text())
+        if not isinstance(rec, dict):
+            raise ValueError(f"expected a JSON object, found {type(rec).__name__}")
     except FileNotFoundError:
         return start
     except (OSError, ValueError) as e:
         log.warning("ignoring the committed-draft record %s: unreadable (%s)", record, e)
         return start
-    try:
-        path, version, sha = Path(rec["path"]), int(rec["version"]), str(rec["sha256"])
-        _, meta = check_draft(path)
-    except (KeyError, TypeError, ValueError, DraftCheckpointError) as e:
-        log.warning("ignoring the committed-draft record %s: %s; serving %s", record, e, start)
+    entries = [rec, *(rec.get("earlier") or [])]
+    found = next((u for u in (_usable(e, record) for e in entries) if u is not None), None)
+    if found is None:
+        log.warning("ignoring the committed-draft record %s: no entry checks out; serving %s",
+                    record, start)  # fmt: skip
         return start
-    if meta.weights_sha256 != sha or meta.version != version:
-        log.warning(
-            "ignoring the committed-draft record %s: %s is now v%d (sha256 %s), the record says "
-            "v%d (%s); serving %s", record, path, meta.version, meta.weights_sha256, version, sha,
-            start,
-        )  # fmt: skip
-        return start
+    path, version = found
     try:
         start_version = read_meta(start).version
     except DraftCheckpointError:  # an EAGLE-3 folder without codraft.json serves as version 0
@@ -67,8 +104,8 @@ def choose_draft(record: Path, start: Path) -> Path:
     if path.resolve() == start.resolve() or version <= start_version:
         return start
     log.warning(
-        "serving draft v%d from %s, the newest this server committed before it stopped (%s), "
-        "instead of v%d from %s; --no-resume-draft starts from the latter",
-        version, path, record, start_version, start,
+        "serving draft v%d from %s, the newest this server committed before it stopped that "
+        "still checks out (%s), instead of v%d from %s; --no-resume-draft starts from the "
+        "latter", version, path, record, start_version, start,
     )  # fmt: skip
     return path.resolve()

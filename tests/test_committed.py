@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
 
 from codraft.draft.checkpoint import read_meta
 from codraft.draft.init import write_new_draft
-from codraft.server.committed import choose_draft, record_path, write_record
+from codraft.server.committed import EARLIER, choose_draft, record_path, write_record
 
 
 @pytest.fixture(scope="module")
@@ -69,4 +70,26 @@ def test_one_record_per_target(tmp_path: Path) -> None:
 
 def test_the_record_is_plain_json(drafts, tmp_path: Path) -> None:
     rec = _record(tmp_path / "r.json", drafts[3])
-    assert set(json.loads(rec.read_text())) == {"version", "sha256", "path", "loaded_at"}
+    assert set(json.loads(rec.read_text())) == {"version", "sha256", "path", "loaded_at", "earlier"}
+
+
+def test_a_restart_falls_back_to_the_newest_commit_that_still_checks_out(
+    drafts, tmp_path: Path, caplog
+) -> None:
+    """The newest commit's folder rewritten under the server (a learner that trained the same
+    step again): the commit before it serves, not --draft."""
+    rec = tmp_path / "r.json"
+    _record(rec, drafts[3])
+    copy = tmp_path / "v5"
+    shutil.copytree(drafts[5], copy)
+    _record(rec, copy)
+    assert [e["version"] for e in json.loads(rec.read_text())["earlier"]] == [3]
+    meta = json.loads((copy / "codraft.json").read_text())
+    (copy / "codraft.json").write_text(json.dumps({**meta, "version": 6}))  # rewritten: v6 now
+    with caplog.at_level(logging.WARNING, logger="codraft.serve"):
+        assert choose_draft(rec, drafts[0]) == drafts[3].resolve()
+    assert "is now v6" in caplog.text and "still checks out" in caplog.text
+    for _ in range(12):  # the record keeps a bounded history
+        _record(rec, drafts[3])
+        _record(rec, copy, version=5)
+    assert len(json.loads(rec.read_text())["earlier"]) <= EARLIER
