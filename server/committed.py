@@ -77,8 +77,9 @@ def _usable(entry: Any, record: Path) -> tuple[Path, int] | None:
 
 def choose_draft(record: Path, start: Path) -> Path:
     """The newest recorded draft that is whole (falling back through earlier commits when the
-    newest one's files no longer check out), when it is newer than `start` (the --draft folder
-    or the untrained draft); else `start`."""
+    newest one's files no longer check out, but never to a version above a later commit's: a
+    draft the server rolled back from is not served again), when it is newer than `start` (the
+    --draft folder or the untrained draft); else `start`."""
     from codraft.draft.checkpoint import DraftCheckpointError, read_meta
 
     try:
@@ -90,8 +91,17 @@ def choose_draft(record: Path, start: Path) -> Path:
     except (OSError, ValueError) as e:
         log.warning("ignoring the committed-draft record %s: unreadable (%s)", record, e)
         return start
-    entries = [rec, *(rec.get("earlier") or [])]
-    found = next((u for u in (_usable(e, record) for e in entries) if u is not None), None)
+    found = None
+    ceiling = None  # never above a later commit: a draft rolled back from stays rolled back
+    for entry in [rec, *(rec.get("earlier") or [])]:
+        version = entry.get("version") if isinstance(entry, dict) else None
+        if isinstance(version, int) and ceiling is not None and version > ceiling:
+            continue
+        if isinstance(version, int):
+            ceiling = version if ceiling is None else min(ceiling, version)
+        found = _usable(entry, record)
+        if found is not None:
+            break
     if found is None:
         log.warning("ignoring the committed-draft record %s: no entry checks out; serving %s",
                     record, start)  # fmt: skip

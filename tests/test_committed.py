@@ -89,6 +89,15 @@ def test_a_restart_falls_back_to_the_newest_commit_that_still_checks_out(
     with caplog.at_level(logging.WARNING, logger="codraft.serve"):
         assert choose_draft(rec, drafts[0]) == drafts[3].resolve()
     assert "is now v6" in caplog.text and "still checks out" in caplog.text
+    # a rollback from v5 to v3 commits v3 last: with v3's folder gone, v5 (rolled back from)
+    # is not served again, and nothing earlier is left
+    rec2 = tmp_path / "r2.json"
+    gone = tmp_path / "v3-gone"
+    shutil.copytree(drafts[3], gone)
+    _record(rec2, drafts[5])
+    _record(rec2, gone)
+    shutil.rmtree(gone)
+    assert choose_draft(rec2, drafts[0]) == drafts[0]
     for _ in range(12):  # the record keeps a bounded history
         _record(rec, drafts[3])
         _record(rec, copy, version=5)
