@@ -359,8 +359,14 @@ def check(run: dict, refs: tuple[dict, dict], scorer: PolicyScorer | None) -> di
         except ValueError:
             bad_versions.append(f"{o.kind}: header {o.version!r}")
         else:
-            if version not in served_between(run["timeline"], o.t0, o.t1):
-                bad_versions.append(f"{o.kind}: v{version} did not serve in its window")
+            seen = served_between(run["timeline"], o.t0, o.t1)
+            if version not in seen:
+                near = [(round(t - o.t0, 2), v) for t, v in run["timeline"]
+                        if o.t0 - 10 <= t <= o.t1 + 10]  # fmt: skip
+                bad_versions.append(
+                    f"{o.kind}: v{version} did not serve in its window of {o.t1 - o.t0:.2f} s "
+                    f"(seen {sorted(seen)}; observed (s from its start, version): {near[:40]})"
+                )
         if o.kind in ("cmpl_greedy", "cmpl_greedy_stream", "chat_greedy", "cmpl_greedy_logprobs"):
             greedy += 1
             want = (chat if o.kind == "chat_greedy" else plain)[o.prompt]
