@@ -92,5 +92,6 @@ def block_draft_loss(
         total = total + w * ce
         weight_sum += w * at.numel()
         correct.append(int(right))
-    loss = total / weight_sum if weight_sum else total
+    # nothing counted (a batch of prompts only): a zero that still reaches every parameter
+    loss = total / weight_sum if weight_sum else norm(h).sum() * 0.0
     return BlockDraftLoss(loss=loss, tokens=tokens, correct=correct)

@@ -402,3 +402,20 @@ def test_block_loss_matches_the_dense_objective(teacher, gamma, monkeypatch):
     )  # fmt: skip
     (lp, _), (lr, _) = both()
     assert not torch.allclose(lp, lr, atol=1e-6)
+
+
+def test_a_batch_without_loss_tokens_gives_a_zero_loss_with_gradients():
+    from codraft.learner.block_draft_loss import block_draft_loss
+
+    cfg = _tiny()
+    draft = _draft(cfg)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    ids = torch.randint(0, cfg.vocab_size, (6,))
+    taps = torch.randn(6, cfg.num_taps * cfg.target_hidden_size, dtype=torch.float64)
+    h, source = draft.hidden(ids, taps, cu)
+    out = block_draft_loss(
+        h, draft.norm, draft.head_weight(), source, ids, torch.zeros(6, dtype=torch.bool)
+    )
+    out.loss.backward()
+    assert float(out.loss.detach()) == 0.0 and out.tokens == [0, 0, 0]
+    assert all(p.grad is not None and not p.grad.any() for p in draft.parameters())

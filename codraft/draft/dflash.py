@@ -83,7 +83,7 @@ def dense_block_attention_fn(cu_seqlens: torch.Tensor) -> BlockAttnFn:
         qdoc, qrow = doc.repeat(s_), row.repeat(s_)
         see_ctx = (qdoc[:, None] == doc[None, :]) & (row[None, :] <= qrow[:, None])
         see_blk = qrow[:, None] == qrow[None, :]
-        mask = torch.cat([see_ctx, see_blk], dim=1)
+        mask = torch.cat([see_ctx, see_blk], dim=1).to(q.device)
         k = torch.cat([k_ctx, k_blk.reshape(s_ * t, hkv, d)]).repeat_interleave(hq // hkv, 1)
         v = torch.cat([v_ctx, v_blk.reshape(s_ * t, hkv, d)]).repeat_interleave(hq // hkv, 1)
         out = F.scaled_dot_product_attention(
