@@ -21,7 +21,12 @@ import torch
 from torch import Tensor
 
 from codraft.learner.attention.block import Backend
-from codraft.learner.attention.branch import _heads_to_passes, _passes_to_heads
+from codraft.learner.attention.branch import (
+    _heads_to_passes,
+    _lse_heads_to_passes,
+    _lse_passes_to_heads,
+    _passes_to_heads,
+)
 from codraft.learner.attention.ring import trunk_backward, trunk_forward
 from codraft.learner.attention.ring_branch import branch_backward_into, branch_merge_into
 
@@ -34,15 +39,12 @@ __all__ = ["ring_block_draft_attention", "ring_block_draft_forward"]
 
 def _lse_fold(lse: Tensor, hkv: int) -> Tensor:
     """Token-major [S, T, Hq] -> token-major trunk lse [T, Hkv * S * G]."""
-    s_, t, hq = lse.shape
-    return lse.reshape(s_, t, hkv, hq // hkv).permute(1, 2, 0, 3).reshape(t, s_ * hq)
+    return _lse_passes_to_heads(lse, hkv).t()
 
 
 def _lse_unfold(lse: Tensor, s_: int, hkv: int) -> Tensor:
     """Token-major trunk lse [T, Hkv * S * G] -> [S, T, Hq]."""
-    t, h = lse.shape
-    g = h // (hkv * s_)
-    return lse.reshape(t, hkv, s_, g).permute(2, 0, 1, 3).reshape(s_, t, hkv * g)
+    return _lse_heads_to_passes(lse.t(), s_, hkv)
 
 
 def ring_block_draft_forward(
