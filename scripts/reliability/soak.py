@@ -193,7 +193,8 @@ class Swapper:
         ]  # fmt: skip
         self.shas = [sha256_file(p / "model.safetensors") for p in self.pool]
         self.swaps: list[dict[str, Any]] = []
-        self.timeline: list[tuple[float, int]] = []  # (time, serving version) as observed
+        # (sent, received, version): the version served at some moment between the two
+        self.timeline: list[tuple[float, float, int]] = []
 
     def _folder(self, version: int) -> tuple[Path, str]:
         j = version % len(self.pool)
@@ -217,7 +218,7 @@ class Swapper:
                 t0 = time.monotonic()
                 tick += 1
                 now = (await c.get("/v1/draft")).json()
-                self.timeline.append((t0, now["version"]))
+                self.timeline.append((t0, time.monotonic(), now["version"]))
                 if tick % self.rollback_every == 0:
                     r = await c.post("/v1/draft/rollback", json={"reason": "soak"})
                     what, version = "rollback", None
@@ -229,8 +230,8 @@ class Swapper:
                     what = "swap"
                 t1 = time.monotonic()
                 body = r.json()
-                if r.status_code == 200:
-                    self.timeline.append((t1, body["version"]))
+                if r.status_code == 200:  # installed between the swap's start and its reply
+                    self.timeline.append((t0, t1, body["version"]))
                 self.swaps.append({
                     "what": what, "t0": t0, "t1": t1, "status": r.status_code,
                     "version": body.get("version") if r.status_code == 200 else version,
@@ -240,15 +241,26 @@ class Swapper:
                 await asyncio.sleep(max(0.0, self.every_s - (time.monotonic() - t0)))
 
 
-async def _poll_versions(stack: Stack, stop: asyncio.Event, timeline: list) -> None:
+async def _poll_versions(stack: Stack, stop: asyncio.Event, timeline: list, polls: dict) -> None:
+    """GET /ready every 0.2 s; each answer is an observation (sent, received, version): that
+    version served at some moment between the two. A failed poll observes nothing: it is
+    counted (by status) with the slowest answer's seconds, not put in the timeline."""
     async with httpx.AsyncClient(timeout=30) as c:
         while not stop.is_set():
             t = time.monotonic()
             try:
                 r = await c.get(f"{stack.control_url}/ready")
-                timeline.append((t, r.json().get("draft_version")))
-            except httpx.HTTPError:
-                pass
+                status = str(r.status_code)
+                version = r.json().get("draft_version") if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError) as e:
+                status, version = type(e).__name__, None
+            took = time.monotonic() - t
+            polls["sent"] += 1
+            polls["slowest_s"] = max(polls["slowest_s"], took)
+            if isinstance(version, int):
+                timeline.append((t, t + took, version))
+            else:
+                polls["failed"][status] = polls["failed"].get(status, 0) + 1
             await asyncio.sleep(0.2)
 
 
@@ -264,11 +276,12 @@ async def drive(
     and the version timeline."""
     stop = stop or asyncio.Event()
     results: list[Outcome] = []
-    timeline: list[tuple[float, int]] = []
+    timeline: list[tuple[float, float, int]] = []
+    polls: dict = {"sent": 0, "failed": {}, "slowest_s": 0.0}
     tasks = [
         asyncio.create_task(_client(stack.url, i, stop, results, kinds)) for i in range(clients)
     ]
-    tasks.append(asyncio.create_task(_poll_versions(stack, stop, timeline)))
+    tasks.append(asyncio.create_task(_poll_versions(stack, stop, timeline, polls)))
     if swapper is not None:
         tasks.append(asyncio.create_task(swapper.run(stop)))
     if seconds is not None:
@@ -277,7 +290,7 @@ async def drive(
     await asyncio.gather(*tasks)
     if swapper is not None:
         timeline += swapper.timeline
-    return {"results": results, "timeline": sorted(timeline)}
+    return {"results": results, "timeline": sorted(timeline), "ready_polls": polls}
 
 
 class BackgroundLoad:
@@ -309,13 +322,24 @@ class BackgroundLoad:
 
 # ------------------------------------------------------------------------------ checks
 def served_between(
-    timeline: list[tuple[float, int]], t0: float, t1: float, slack: float = 1.0
+    timeline: list[tuple[float, float, int]], t0: float, t1: float, slack: float = 1.0
 ) -> set:
-    """Versions observed serving at some moment of [t0 - slack, t1 + slack] (a version
-    observed last before the window was serving at its start)."""
-    before = [v for t, v in timeline if t < t0 - slack]
-    inside = {v for t, v in timeline if t0 - slack <= t <= t1 + slack}
-    return inside | ({before[-1]} if before else set())
+    """The versions that may have served at some moment of [t0 - slack, t1 + slack].
+
+    `timeline` holds observations (sent, received, version), sorted: the version served at
+    some moment between the two times. Between two observations nothing is known, so the
+    version of observation k may have served from the previous observation's start to the
+    next one's end; it counts when that span meets the window. Dense observations make the
+    span tight; a gap (polls that failed or were slow) widens it instead of blaming the
+    response."""
+    lo, hi = t0 - slack, t1 + slack
+    seen = set()
+    for k, (_, _, version) in enumerate(timeline):
+        start = timeline[k - 1][0] if k > 0 else float("-inf")
+        end = timeline[k + 1][1] if k + 1 < len(timeline) else float("inf")
+        if start <= hi and end >= lo:
+            seen.add(version)
+    return seen
 
 
 class PolicyScorer:
@@ -361,11 +385,15 @@ def check(run: dict, refs: tuple[dict, dict], scorer: PolicyScorer | None) -> di
         else:
             seen = served_between(run["timeline"], o.t0, o.t1)
             if version not in seen:
-                near = [(round(t - o.t0, 2), v) for t, v in run["timeline"]
-                        if o.t0 - 10 <= t <= o.t1 + 10]  # fmt: skip
+                near = [
+                    (round(ts - o.t0, 2), round(tr - o.t0, 2), v)
+                    for ts, tr, v in run["timeline"]
+                    if o.t0 - 10 <= ts <= o.t1 + 10
+                ]
                 bad_versions.append(
                     f"{o.kind}: v{version} did not serve in its window of {o.t1 - o.t0:.2f} s "
-                    f"(seen {sorted(seen)}; observed (s from its start, version): {near[:40]})"
+                    f"(seen {sorted(seen)}; observed (sent, received: s from its start; version): "
+                    f"{near[:40]})"
                 )
         if o.kind in ("cmpl_greedy", "cmpl_greedy_stream", "chat_greedy", "cmpl_greedy_logprobs"):
             greedy += 1
@@ -401,6 +429,7 @@ def check(run: dict, refs: tuple[dict, dict], scorer: PolicyScorer | None) -> di
         "bad_versions": len(bad_versions),
         "bad_version_examples": bad_versions[:5],
         "versions_named": len({o.version for o in results if o.version}),
+        "ready_polls": run.get("ready_polls"),
         "sampled_checked": sampled,
         "logprob_tokens_checked": len(lp_diffs),
         "logprob_max_abs_diff": float(diffs.max()),
@@ -417,7 +446,7 @@ def swap_figures(swapper: Swapper) -> dict:
     swaps = [s for s in swapper.swaps if s["what"] == "swap"]
     rollbacks = [s for s in swapper.swaps if s["what"] == "rollback"]
     ms = np.array([s["total_ms"] for s in swaps if s["status"] == 200 and s["total_ms"]] or [0.0])
-    versions = [v for _, v in sorted(swapper.timeline)]
+    versions = [v for *_, v in sorted(swapper.timeline)]
     ok = [s["version"] for s in swaps if s["status"] == 200]
     return {
         "swaps_ok": sum(s["status"] == 200 for s in swaps),
