@@ -146,10 +146,12 @@ class DFlashDraft(nn.Module):
     def block_tokens(self, input_ids: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         """[S, T] block inputs: slot 0 the anchor token (the mask past a document's end), the
         other slots the mask token."""
-        out = torch.full(source.shape, self.config.mask_token_id, dtype=torch.long)
-        valid = source[0] >= 0
-        out[0, valid] = input_ids.cpu().long()[source[0, valid]]
-        return out.to(input_ids.device)
+        out = torch.full(
+            source.shape, self.config.mask_token_id, dtype=torch.long, device=source.device
+        )
+        anchor = input_ids.to(source.device).long()[source[0].clamp(min=0)]
+        out[0] = torch.where(source[0] >= 0, anchor, out[0])
+        return out
 
     def layer(
         self,
@@ -191,13 +193,17 @@ class DFlashDraft(nn.Module):
         cu_seqlens int32 [B + 1] -> (the last layer's output [S, T, H], before the final
         norm; source [S, T]: the packed index of the token each slot stands for, -1 past the
         document)."""
-        ctx_pos, blk_pos, source = rows_and_slots(cu_seqlens.cpu(), self.config.block_size)
+        # index tensors built on the host once a step (a small copy), then kept on the device
+        ctx_pos, blk_pos, source = (
+            t.to(input_ids.device)
+            for t in rows_and_slots(cu_seqlens.cpu(), self.config.block_size)
+        )
         h = self.embed(self.block_tokens(input_ids, source))
         ctx = self.context(taps)
         attn = attn or dense_block_attention_fn(cu_seqlens.cpu())
         for i in range(len(self.layers)):
             h = self.layer(i, h, ctx, ctx_pos, blk_pos, attn)
-        return h, source.to(input_ids.device)
+        return h, source
 
     def forward(
         self,
