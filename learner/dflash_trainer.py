@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from codraft.draft.dflash import DFlashDraft
-from codraft.draft.dflash_config import DFlashConfig, dflash_tap_layers
+from codraft.draft.init import new_dflash_draft
 from codraft.learner.attention.block_draft import block_draft_attention
 from codraft.learner.block_draft_loss import block_draft_loss
 from codraft.learner.data.packing import PackedBatch
@@ -36,15 +36,12 @@ class DFlashTrainer(Trainer):
     def new_draft(self, token_counts: torch.Tensor | None) -> DFlashDraft:
         """A fresh DFlash draft for the target (token counts are not used: it reads out
         with the target's whole vocabulary)."""
-        cfg, target = self.cfg, self.target_config
-        taps = cfg.tap_layers or dflash_tap_layers(target.num_hidden_layers)
-        dcfg = DFlashConfig.from_target(
-            target, mask_token_id=cfg.mask_token_id, num_hidden_layers=cfg.dflash_layers,
-            block_size=cfg.block_size, tap_layers=taps, dtype="float32",
+        cfg = self.cfg
+        return new_dflash_draft(
+            self.target_config, mask_token_id=cfg.mask_token_id,
+            num_hidden_layers=cfg.dflash_layers, block_size=cfg.block_size,
+            tap_layers=cfg.tap_layers, dtype="float32", seed=cfg.seed,
         )  # fmt: skip
-        with torch.random.fork_rng():
-            torch.manual_seed(cfg.seed)
-            return DFlashDraft(dcfg)
 
     def attach_target(self, embedding: torch.Tensor) -> None:
         """The target's embedding and its lm_head (the teacher's), both frozen."""
@@ -97,9 +94,11 @@ class DFlashTrainer(Trainer):
 
 
 def make_trainer(*args: Any, **kwargs: Any) -> Trainer:
-    """The trainer for `config.drafter`: `Trainer` (EAGLE-3) or `DFlashTrainer`; the same
-    arguments as `Trainer`."""
+    """The trainer for the given draft's kind (else `config.drafter`): `Trainer` (EAGLE-3) or
+    `DFlashTrainer`; the same arguments as `Trainer`."""
     config = kwargs.get("config", args[2] if len(args) > 2 else None)
-    if config is not None and config.drafter == "dflash":
+    draft = kwargs.get("draft")
+    kind = draft.config.kind if draft is not None else getattr(config, "drafter", "eagle3")
+    if kind == "dflash":
         return DFlashTrainer(*args, **kwargs)
     return Trainer(*args, **kwargs)

@@ -43,10 +43,11 @@ DFLASH_ARCHITECTURE = "DFlashDraftModel"
 def dflash_tap_layers(num_layers: int, num_taps: int = 5) -> tuple[int, ...]:
     """DFlash's choice of target layers, in codraft's tap convention: `num_taps` layer ids
     spread evenly from layer 1 to layer L - 3 (as the DFlash authors' training code picks
-    them), plus one (the residual after that layer)."""
-    if num_layers < 5:
-        raise ValueError(f"a {num_layers}-layer target is too shallow for default DFlash taps")
-    lo, hi = 1, num_layers - 3
+    them), plus one (the residual after that layer). A target under 5 layers has too few for
+    that span: its ids spread over 0..L - 2 instead (as many distinct ones as fit)."""
+    if num_layers < 2:
+        raise ValueError(f"a {num_layers}-layer target has no layer for a DFlash tap")
+    lo, hi = (1, num_layers - 3) if num_layers >= 5 else (0, num_layers - 2)
     if num_taps == 1:
         return ((lo + hi) // 2 + 1,)
     ids = sorted({round(lo + i * (hi - lo) / (num_taps - 1)) for i in range(num_taps)})

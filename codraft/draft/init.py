@@ -1,4 +1,5 @@
-"""A new (untrained) EAGLE-3 draft for a target: geometry from the target, vocab from counts."""
+"""A new (untrained) draft for a target, geometry from the target: EAGLE-3 (vocab from token
+counts) or DFlash (the target's whole vocabulary)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch
 
 from codraft.draft.checkpoint import DraftMeta, save_draft
 from codraft.draft.config import DraftConfig
+from codraft.draft.dflash import DFlashDraft
+from codraft.draft.dflash_config import DFlashConfig, dflash_tap_layers
 from codraft.draft.model import Eagle3Draft
 from codraft.draft.vocab import build_draft_vocab
 from codraft.models.config import TargetConfig
@@ -36,6 +39,30 @@ def new_draft(
     return model
 
 
+def new_dflash_draft(
+    target: TargetConfig,
+    *,
+    mask_token_id: int = DFlashConfig.mask_token_id,
+    num_hidden_layers: int = DFlashConfig.num_hidden_layers,
+    block_size: int = DFlashConfig.block_size,
+    tap_layers: Sequence[int] | None = None,
+    dtype: str = "float32",
+    seed: int = 0,
+) -> DFlashDraft:
+    """A freshly initialised DFlash draft; taps default to `dflash_tap_layers(L)`."""
+    cfg = DFlashConfig.from_target(
+        target, mask_token_id=mask_token_id, num_hidden_layers=num_hidden_layers,
+        block_size=block_size,
+        tap_layers=tap_layers or dflash_tap_layers(target.num_hidden_layers), dtype=dtype,
+    )  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return DFlashDraft(cfg)
+
+
+DRAFTERS = ("eagle3", "dflash")
+
+
 def write_new_draft(
     out_dir: str | Path,
     target_dir: str | Path,
@@ -44,14 +71,23 @@ def write_new_draft(
     version: int = 0,
     overwrite: bool = False,
     target_config: TargetConfig | None = None,
+    drafter: str = "eagle3",
     **kwargs,
 ) -> Path:
-    """`new_draft` for the target folder `target_dir`, saved as checkpoint `out_dir`.
-    `target_config`: the folder's parsed config.json, when the caller has read it already."""
+    """`new_draft` (or, with drafter "dflash", `new_dflash_draft`) for the target folder
+    `target_dir`, saved as checkpoint `out_dir`. `target_config`: the folder's parsed
+    config.json, when the caller has read it already."""
     target = (
         target_config if target_config is not None else TargetConfig.from_pretrained(target_dir)
     )
-    model = new_draft(target, token_counts, **kwargs)
+    if drafter not in DRAFTERS:
+        raise ValueError(f"drafter must be one of {DRAFTERS}, got {drafter!r}")
+    if drafter == "dflash":
+        if token_counts is not None:
+            raise ValueError("a DFlash draft reads out with the whole vocabulary: no counts")
+        model: Eagle3Draft | DFlashDraft = new_dflash_draft(target, **kwargs)
+    else:
+        model = new_draft(target, token_counts, **kwargs)
     # counters step 0: never trained (a learner starts afresh rather than from these weights)
     meta = DraftMeta(version=version, counters={"step": 0})
     return save_draft(out_dir, model, meta, overwrite=overwrite)
