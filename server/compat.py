@@ -140,6 +140,12 @@ HOOKED: tuple[Hook, ...] = (  # every supported release; hooks_for() adds the dr
     ),
     # --- both
     Hook(
+        "vllm.model_executor.models.qwen3_dflash",
+        "DFlashQwen3Model._build_fused_kv_buffers",
+        (),
+        "the DFlash drafter's fused context K/V and rope tables, rebuilt after a draft reload",
+    ),
+    Hook(
         "vllm.model_executor.models.interfaces",
         "EagleModelMixin._maybe_add_hidden_state",
         ("aux_hidden_states", "layer_idx", "hidden_states", "residual"),

@@ -16,6 +16,11 @@ are the live objects themselves and are never written. The result, a `KernelStat
 live layer the kernel-format tensors and the kernel attributes (`cpu_linear`). It is built in a
 background thread while the engine keeps stepping.
 
+Some drafters also derive model-level tensors from their layers' weights when they load
+(`DERIVED_ATTRS`): vLLM's DFlash model stacks every layer's K/V projection into one fused weight
+(and the K-norm weights into one tensor) for the context's K/V, outside the layers. The shadow's
+`load_weights` builds them on the shadow; the state carries them like the layers' tensors.
+
 `install` then only copies those tensors into the live parameters' storage (`copy_`: pointers
 that kernels or graphs hold stay valid) and sets the kernel attributes: a few milliseconds.
 `snapshot_live` captures the live state the same way (clones), so the draft vLLM loaded at
@@ -35,6 +40,9 @@ from torch import nn
 
 # Attributes that a layer's process_weights_after_loading sets and its forward reads.
 KERNEL_ATTRS = ("cpu_linear",)
+# Plain tensor attributes a drafter module derives from its layers' weights while loading
+# (vLLM's DFlashQwen3Model._build_fused_kv_buffers): they must follow every swap.
+DERIVED_ATTRS = ("_fused_kv_weight", "_fused_kv_bias", "_k_norm_weights")
 
 
 class StageError(RuntimeError):
@@ -52,9 +60,54 @@ class LayerKernels:
 class KernelState:
     layers: list[LayerKernels]
     timing: dict[str, float] = field(default_factory=dict)  # stage_kernels' parts, ms
+    # (live module, attribute, tensor): the drafter's derived tensors (DERIVED_ATTRS)
+    derived: list[tuple[nn.Module, str, torch.Tensor]] = field(default_factory=list)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for k in self.layers for t in k.tensors.values())
+        own = sum(t.numel() * t.element_size() for k in self.layers for t in k.tensors.values())
+        return own + sum(t.numel() * t.element_size() for *_, t in self.derived)
+
+
+def _derived(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {a: t for a in DERIVED_ATTRS if isinstance(t := module.__dict__.get(a), torch.Tensor)}
+
+
+def derived_tensors(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """The live drafter's derived tensors (DERIVED_ATTRS), by module."""
+    return [(m, a, t) for m in model.modules() for a, t in _derived(m).items()]
+
+
+def rebuild_derived(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Write the derived tensors of `weights` (checkpoint names) into the live drafter, as its
+    `_build_fused_kv_buffers` stacks them (per layer the K rows then the V rows of qkv_proj,
+    layer after layer; the K-norm weights stacked). vLLM's in-place reload runs the model's
+    `load_weights`, whose own rebuild reads the layers' weights while they are still the
+    reload's placeholders (on CPU the fused weight comes out empty): this is its repair.
+    Raises StageError when the checkpoint or the drafter does not fit that layout."""
+    for module in model.modules():  # first what the rebuild derives from the modules (rope
+        if hasattr(module, "_build_fused_kv_buffers"):  # tables, attention layers)
+            module._build_fused_kv_buffers()
+    for module, name, live in derived_tensors(model):
+        n = len(getattr(module, "layers", ()))
+        try:
+            if name == "_fused_kv_weight":
+                parts = [
+                    torch.cat([weights[f"layers.{i}.self_attn.{w}_proj.weight"] for w in "kv"])
+                    for i in range(n)
+                ]
+            elif name == "_k_norm_weights":
+                parts = [weights[f"layers.{i}.self_attn.k_norm.weight"] for i in range(n)]
+            else:
+                raise StageError(f"no rule to rebuild {type(module).__name__}.{name}")
+        except KeyError as e:
+            raise StageError(f"the checkpoint has no {e} to rebuild {name} from") from None
+        new = (torch.cat if name == "_fused_kv_weight" else torch.stack)(parts)
+        new = new.to(device=live.device, dtype=live.dtype)
+        with torch.no_grad():
+            if new.shape == live.shape:
+                live.copy_(new)
+            else:  # the reload replaced it (an empty placeholder): the rebuilt one takes over
+                module.__dict__[name] = new.contiguous()
 
 
 def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -63,12 +116,17 @@ def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _params(module: nn.Module) -> list[torch.Tensor]:
+    """A module's own parameters (a `bias` registered as None is none)."""
+    return [p for p in module._parameters.values() if p is not None]
+
+
 def _loadable_layers(model: nn.Module, shared: set[int]) -> list[nn.Module]:
     """Live layers with parameters of their own (not the target's)."""
     return [
         m
         for m in model.modules()
-        if id(m) not in shared and any(id(p) not in shared for p in m._parameters.values())
+        if id(m) not in shared and any(id(p) not in shared for p in _params(m))
     ]
 
 
@@ -78,7 +136,7 @@ def _shared_ids(model: nn.Module, target: nn.Module) -> set[int]:
     target_params = {id(p) for p in target.parameters()}
     ids = set(target_params)
     for m in model.modules():
-        own = list(m._parameters.values())
+        own = _params(m)  # (a shared lm_head has bias=None beside the target's weight)
         if (own and all(id(p) in target_params for p in own)) or (not own and not m._modules):
             ids.add(id(m))
     return ids
@@ -155,7 +213,12 @@ def stage_kernels(
             raise StageError(f"no reload metadata for {type(layer).__name__}")
         twin = twins[id(layer)]
         for name, meta in info.restore_metadata[0].items():
-            twin._parameters[name] = _materialize(meta, layer, twin, info.restore_device)
+            fresh = _materialize(meta, layer, twin, info.restore_device)
+            live = layer._parameters.get(name)
+            if live is not None and live.shape == fresh.shape:  # what the checkpoint does not
+                with torch.no_grad():  # hold keeps its live value (DFlash's mask_embedding)
+                    fresh.copy_(live)
+            twin._parameters[name] = fresh
     t1 = time.perf_counter()
     with torch.inference_mode():
         shadow.load_weights(iter(weights.items()))
@@ -185,13 +248,24 @@ def stage_kernels(
             raise StageError(f"{type(layer).__name__}: kernel attributes differ after loading")
         tensors = {n: t for n, t in new.items() if t.numel()}
         state.append(LayerKernels(layer, tensors, attrs))
+    derived = []
+    for live_module, name, live_t in derived_tensors(drafter_model):
+        new_t = _derived(twins[id(live_module)]).get(name)
+        if new_t is None or new_t is live_t:
+            raise StageError(f"{type(live_module).__name__}.{name} was not rebuilt by loading")
+        if new_t.shape != live_t.shape or new_t.dtype != live_t.dtype:
+            raise StageError(
+                f"{type(live_module).__name__}.{name}: {list(new_t.shape)} {new_t.dtype} after "
+                f"loading, live {list(live_t.shape)} {live_t.dtype}"
+            )
+        derived.append((live_module, name, new_t))
     timing = {
         "materialize_ms": 1e3 * (t1 - t0),
         "load_weights_ms": 1e3 * (t2 - t1),
         "process_ms": 1e3 * (t3 - t2),
         "collect_ms": 1e3 * (time.perf_counter() - t3),
     }
-    return KernelState(state, timing)
+    return KernelState(state, timing, derived)
 
 
 def snapshot_live(drafter_model: nn.Module, target_model: nn.Module) -> KernelState:
@@ -202,7 +276,8 @@ def snapshot_live(drafter_model: nn.Module, target_model: nn.Module) -> KernelSt
         tensors = {n: t.detach().clone() for n, t in _own_tensors(layer).items() if t.numel()}
         attrs = {a: layer.__dict__[a] for a in KERNEL_ATTRS if a in layer.__dict__}
         state.append(LayerKernels(layer, tensors, attrs))
-    return KernelState(state)
+    derived = [(m, a, t.detach().clone()) for m, a, t in derived_tensors(drafter_model)]
+    return KernelState(state, derived=derived)
 
 
 def install(state: KernelState) -> None:
@@ -214,3 +289,5 @@ def install(state: KernelState) -> None:
                 live[name].data.copy_(t)
             for name, value in k.attrs.items():
                 k.layer.__dict__[name] = value
+        for module, name, t in state.derived:
+            module.__dict__[name].copy_(t)

@@ -43,20 +43,24 @@ from codraft.draft.checkpoint import (
     CONFIG_NAME,
     META_NAME,
     WEIGHTS_NAME,
+    AnyDraftConfig,
     DraftCheckpointError,
     DraftContract,
     DraftMeta,
+    config_from_hf,
     sha256_file,
 )
-from codraft.draft.config import DraftConfig
 from codraft.models.config import TargetConfig
 from codraft.models.llama import safetensors_files
 from codraft.server.draft_read import BufferPool, CheckedWeights, read_checked
 from codraft.tap import model_fingerprint
 
 log = logging.getLogger(__name__)
-# Config fields a running vLLM drafter has baked in; a new draft must agree on all of them.
-_BAKED = tuple(f.name for f in fields(DraftConfig) if f.name != "dtype")
+
+
+def _baked(cfg: AnyDraftConfig) -> tuple[str, ...]:
+    """Config fields a running vLLM drafter has baked in; a new draft must agree on all."""
+    return tuple(f.name for f in fields(cfg) if f.name != "dtype")
 
 
 class SwapError(Exception):
@@ -80,7 +84,7 @@ class DraftSlot:
     sha256: str
     path: str
     loaded_at: str
-    config: DraftConfig
+    config: AnyDraftConfig
     weights: dict[str, torch.Tensor]  # checkpoint names, CPU tensors (dropped once staged)
     kernels: Any = field(default=None, repr=False)  # codraft.server.draft_kernels.KernelState
 
@@ -90,14 +94,15 @@ class DraftSlot:
             "sha256": self.sha256,
             "path": self.path,
             "loaded_at": self.loaded_at,
+            "kind": self.config.kind,
             "tap_layers": list(self.config.tap_layers),
         }
 
 
 def load_checked(
     root: Path, expect: DraftContract | None = None
-) -> tuple[DraftConfig, DraftMeta, dict[str, torch.Tensor]]:
-    """`codraft.draft.load_draft` without building an `Eagle3Draft`: the same checks with the
+) -> tuple[AnyDraftConfig, DraftMeta, dict[str, torch.Tensor]]:
+    """`codraft.draft.load_draft` without building the draft model: the same checks with the
     same messages (config, sidecar, contract, header and length, sha256, tensor names/shapes/
     dtypes, d2t/t2d) in one read of the weights, whose bytes are the ones loaded
     (`codraft.server.draft_read`). Building the model would cost more than the rest of a swap (it
@@ -109,14 +114,14 @@ def load_checked(
 
 def read_initial_draft(path: str) -> DraftSlot:
     """The draft vLLM loaded at start: a codraft checkpoint (version from codraft.json), or any
-    EAGLE-3 folder (version 0)."""
+    EAGLE-3 or DFlash folder (version 0)."""
     root = Path(path)
     try:
         cfg, meta, weights = load_checked(root)
         return DraftSlot(meta.version, meta.weights_sha256, str(root), utc_now(), cfg, weights)
     except DraftCheckpointError as e:
         log.warning("initial draft %s is no complete codraft checkpoint (%s): version 0", path, e)
-    cfg = DraftConfig.from_hf_dict(json.loads((root / CONFIG_NAME).read_text()))
+    cfg = config_from_hf(json.loads((root / CONFIG_NAME).read_text()))
     weights = root / WEIGHTS_NAME
     return DraftSlot(
         0, sha256_file(weights), str(root), utc_now(), cfg, safetensors.torch.load_file(weights)
@@ -197,7 +202,7 @@ def check_request(
 
 
 def _check_fits(
-    cfg: DraftConfig,
+    cfg: AnyDraftConfig,
     meta: DraftMeta,
     root: Path,
     version: int | None,
@@ -207,7 +212,7 @@ def _check_fits(
     check_request(root, meta.version, meta.weights_sha256, version, sha256)
     differ = [
         f"{name}: expected {getattr(running.config, name)!r}, found {getattr(cfg, name)!r}"
-        for name in _BAKED
+        for name in _baked(running.config)
         if getattr(cfg, name) != getattr(running.config, name)
     ]
     if differ:
@@ -259,8 +264,13 @@ def write_draft_weights(runner: Any, vllm_config: Any, weights: dict[str, torch.
     draft_config = SimpleNamespace(
         model_config=spec.draft_model_config, load_config=vllm_config.load_config, lora_config=None
     )
+    from codraft.server.draft_kernels import derived_tensors, rebuild_derived
+
+    model = drafter_model(runner)
     with set_current_vllm_config(vllm_config), _quiet_shared_warnings(), torch.inference_mode():
-        reload_weights(draft_config, drafter_model(runner), iter(weights.items()), None, True)
+        reload_weights(draft_config, model, iter(weights.items()), None, True)
+        if derived_tensors(model):  # DFlash's fused context K/V: see rebuild_derived
+            rebuild_derived(model, weights)
 
 
 # ---------------------------------------------------------------------------- policy
