@@ -217,8 +217,8 @@ def _status(client: CodraftClient, args: argparse.Namespace) -> int:
 def _draft_line(d: DraftInfo) -> str:
     kept = "none kept" if d.previous_version is None else f"v{d.previous_version} kept"
     return (
-        f"draft v{d.version} serving (sha256 {(d.sha256 or '?')[:12]}…, tap layers "
-        f"{d.tap_layers}); rollback: {kept}"
+        f"draft v{d.version} serving ({d.kind + ', ' if d.kind else ''}sha256 "
+        f"{(d.sha256 or '?')[:12]}…, tap layers {d.tap_layers}); rollback: {kept}"
     )
 
 

@@ -42,6 +42,7 @@ class DraftInfo(_Reply):
     sha256: str | None = None
     path: str | None = None
     loaded_at: str | None = None
+    kind: str | None = None  # "eagle3" or "dflash"
     tap_layers: list[int] = Field(default_factory=list)
     previous_version: int | None = None
     highest_version: int | None = None  # a new draft's version must exceed it (409 otherwise)

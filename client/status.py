@@ -91,7 +91,7 @@ def rows(s: Status) -> list[tuple[str, str]]:
         out.append(
             (
                 "draft",
-                f"{_v(d.version)}  sha256 {sha}…  tap layers {d.tap_layers}  "
+                f"{d.kind or '?'} {_v(d.version)}  sha256 {sha}…  tap layers {d.tap_layers}  "
                 f"loaded {d.loaded_at}  previous {_v(d.previous_version)}",
             )
         )

@@ -125,6 +125,7 @@ class DraftReply(_Reply):
     sha256: str | None = None
     path: str | None = None
     loaded_at: str | None = None
+    kind: Literal["eagle3", "dflash"] | None = None
     tap_layers: list[int] | None = None
 
 
@@ -235,6 +236,10 @@ class EngineControl:
         self._refresher: asyncio.Task | None = None
         self._recorded: tuple | None = None  # the draft last written to committed_file
         self._record_lock = asyncio.Lock()
+        # where complete responses' version headers came from: "engine" (the draft serving
+        # when the request finished) or "arrival" (the engine could not tell: the cached
+        # version when the request arrived)
+        self.header_sources: dict[str, int] = {"engine": 0, "arrival": 0}
 
     async def rpc(self, method: str, timeout: float | None = None, **kwargs: Any) -> dict:
         """Rank 0's reply to `method(**kwargs)`; ControlError for failures of any kind."""

@@ -54,16 +54,23 @@ def write_record(path: Path, draft: dict[str, Any]) -> None:
     atomic_write_json(path, {**new, "earlier": earlier[:EARLIER]})
 
 
-def _usable(entry: Any, record: Path) -> tuple[Path, int] | None:
+def _usable(entry: Any, record: Path, kind: str | None) -> tuple[Path, int] | None:
     """(checkpoint folder, version) of a record entry whose checkpoint still checks out with
-    the recorded version and sha256, else None (with a warning)."""
+    the recorded version and sha256 and is a draft of `kind` (None: any), else None (with a
+    warning)."""
     from codraft.draft.checkpoint import DraftCheckpointError, check_draft
 
     try:
         path, version, sha = Path(entry["path"]), int(entry["version"]), str(entry["sha256"])
-        _, meta = check_draft(path)
+        cfg, meta = check_draft(path)
     except (KeyError, TypeError, ValueError, DraftCheckpointError) as e:
         log.warning("ignoring an entry of the committed-draft record %s: %s", record, e)
+        return None
+    if kind is not None and cfg.kind != kind:
+        log.warning(
+            "ignoring an entry of the committed-draft record %s: %s is a draft of kind %s, the "
+            "server starts one of kind %s", record, path, cfg.kind, kind,
+        )  # fmt: skip
         return None
     if meta.weights_sha256 != sha or meta.version != version:
         log.warning(
@@ -80,7 +87,12 @@ def choose_draft(record: Path, start: Path) -> Path:
     newest one's files no longer check out, but never to a version above a later commit's: a
     draft the server rolled back from is not served again), when it is newer than `start` (the
     --draft folder or the untrained draft); else `start`."""
-    from codraft.draft.checkpoint import DraftCheckpointError, read_meta
+    from codraft.draft.checkpoint import (
+        CONFIG_NAME,
+        DraftCheckpointError,
+        config_from_hf,
+        read_meta,
+    )
 
     try:
         rec = json.loads(record.read_text())
@@ -91,6 +103,10 @@ def choose_draft(record: Path, start: Path) -> Path:
     except (OSError, ValueError) as e:
         log.warning("ignoring the committed-draft record %s: unreadable (%s)", record, e)
         return start
+    try:  # a restart keeps the drafter kind it was started with
+        kind: str | None = config_from_hf(json.loads((start / CONFIG_NAME).read_text())).kind
+    except (OSError, ValueError, TypeError, KeyError):
+        kind = None
     found = None
     ceiling = None  # never above a later commit: a draft rolled back from stays rolled back
     for entry in [rec, *(rec.get("earlier") or [])]:
@@ -99,7 +115,7 @@ def choose_draft(record: Path, start: Path) -> Path:
             continue
         if isinstance(version, int):
             ceiling = version if ceiling is None else min(ceiling, version)
-        found = _usable(entry, record)
+        found = _usable(entry, record, kind)
         if found is not None:
             break
     if found is None:

@@ -36,11 +36,11 @@ import torch
 from codraft.draft import checkpoint as ckpt
 from codraft.draft.checkpoint import (
     WEIGHTS_NAME,
+    AnyDraftConfig,
     DraftCheckpointError,
     DraftContract,
     DraftMeta,
 )
-from codraft.draft.config import DraftConfig
 
 CHUNK = 4 << 20  # bytes read before the hashing thread gets them
 
@@ -118,7 +118,7 @@ class CheckedWeights:
     computed: call `verify_sha()` before using `tensors`; `release()` when they are dropped."""
 
     root: Path
-    cfg: DraftConfig
+    cfg: AnyDraftConfig
     meta: DraftMeta
     tensors: dict[str, torch.Tensor]
     buffer: torch.Tensor

@@ -155,7 +155,7 @@ def target_model(runner: Any) -> Any:
 
 
 def drafter_model(runner: Any) -> Any:
-    """The running EAGLE-3 draft model (V1: runner.drafter.model; V2: the speculator's)."""
+    """The running draft model (V1: runner.drafter.model; V2: the speculator's)."""
     get_draft = getattr(runner, "get_draft_model", None)
     if callable(get_draft):
         model = get_draft()
@@ -163,7 +163,9 @@ def drafter_model(runner: Any) -> Any:
             return _unwrap(model)
     drafter = getattr(runner, "drafter", None)
     if drafter is None:
-        raise RuntimeError("the engine has no draft model: start it with EAGLE-3 speculation")
+        raise RuntimeError(
+            "the engine has no draft model: start it with EAGLE-3 or DFlash speculation"
+        )
     return _unwrap(drafter.model)
 
 
@@ -176,7 +178,7 @@ def _aux_holder(model: Any) -> Any:
     if not hasattr(holder, "aux_hidden_state_layers"):
         raise RuntimeError(
             f"{type(model).__name__} has no aux hidden state layers: the target must support "
-            "EAGLE-3 in vLLM and speculative decoding must use method 'eagle3'"
+            "EAGLE-3 in vLLM and speculative decoding must use method 'eagle3' or 'dflash'"
         )
     return holder
 

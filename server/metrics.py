@@ -13,7 +13,8 @@ Metrics (counters carry the `_total` suffix in the exposition):
   codraft_draft_drafts, codraft_draft_draft_tokens, codraft_draft_accepted_tokens
   (counters, label version), codraft_draft_acceptance_length (gauge, label version);
   codraft_draft_swaps, codraft_draft_rollbacks, codraft_draft_auto_rollbacks (counters);
-  codraft_draft_version, codraft_policy_version (gauges).
+  codraft_draft_version, codraft_policy_version (gauges); codraft_draft_info (label kind:
+  eagle3 or dflash); codraft_version_headers (counter, label source: engine | arrival).
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from starlette.routing import Route
 
@@ -41,9 +47,10 @@ def _num(value: Any) -> float | None:
 class CodraftCollector(Collector):
     """Prometheus families from the latest codraft_stats and codraft_info replies."""
 
-    def __init__(self) -> None:
+    def __init__(self, header_sources: dict[str, int] | None = None) -> None:
         self.stats: dict[str, Any] = {}
         self.info: dict[str, Any] = {}
+        self.header_sources = header_sources if header_sources is not None else {}
 
     def update(self, stats: dict[str, Any] | None, info: dict[str, Any] | None) -> None:
         if stats is not None:
@@ -101,9 +108,22 @@ class CodraftCollector(Collector):
         ):
             if (v := _num(self.stats.get(key))) is not None:
                 yield CounterMetricFamily(f"codraft_draft_{key}", doc, value=v)
-        draft_version = _num((self.info.get("draft") or {}).get("version"))
-        if draft_version is not None:
+        draft = self.info.get("draft") or {}
+        if (draft_version := _num(draft.get("version"))) is not None:
             yield GaugeMetricFamily("codraft_draft_version", "loaded draft", value=draft_version)
+        headers = CounterMetricFamily(
+            "codraft_version_headers",
+            "complete responses' version headers, by source: engine (the draft serving when the "
+            "request finished) or arrival (the engine could not tell)",
+            labels=["source"],
+        )
+        for source, n in self.header_sources.items():
+            headers.add_metric([source], n)
+        yield headers
+        if isinstance(kind := draft.get("kind"), str):
+            info = InfoMetricFamily("codraft_draft", "the serving draft's kind")
+            info.add_metric([], {"kind": kind})
+            yield info
         policy = _num(self.stats.get("policy_version"))
         if policy is None:
             policy = _num((self.info.get("policy") or {}).get("version"))
@@ -116,7 +136,7 @@ class MetricsEndpoint:
 
     def __init__(self, control: EngineControl) -> None:
         self.control = control
-        self.collector = CodraftCollector()
+        self.collector = CodraftCollector(control.header_sources)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
         self.refresh_errors = Counter(

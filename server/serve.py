@@ -138,6 +138,7 @@ class VersionHeaders:
                     return
                 body = b"".join(chunks)
                 finished = await self._finished_version(body)
+                self.control.header_sources["arrival" if finished is None else "engine"] += 1
                 start, held = held, None
                 await send(_with_headers(start, draft if finished is None else finished, policy))
                 await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -23,6 +23,7 @@ log = logging.getLogger("codraft.serve")
 
 TOKEN_FLAGS = ("--control-token", "--control-token-file")
 TAP_MODES = ("full", "ids", "off")
+DRAFTERS = ("eagle3", "dflash")  # vLLM's speculative methods for codraft's two draft kinds
 
 
 @dataclass
@@ -30,7 +31,8 @@ class ServeConfig:
     """Everything `codraft serve` needs. Defaults: SmolLM2, an untrained draft, 127.0.0.1."""
 
     model: str = "smollm2"  # 'smollm2' (prepared offline) or a model folder
-    draft: str | None = None  # EAGLE-3 draft folder; None builds an untrained one (version 0)
+    draft: str | None = None  # draft folder; None builds an untrained one (version 0)
+    drafter: str | None = None  # the draft's kind, eagle3 | dflash: None = --draft's, or eagle3
     num_speculative_tokens: int = 3
     draft_vocab_size: int = 8192  # only for a draft built here
     tap_endpoint: str | None = None  # ZeroMQ endpoint the learner PULLs on; None: tap off
@@ -55,6 +57,8 @@ class ServeConfig:
             raise ValueError(
                 f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
             )
+        if self.drafter is not None and self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
         if self.tap_mode not in TAP_MODES:
             raise ValueError(f"tap_mode must be one of {TAP_MODES}, got {self.tap_mode!r}")
         if not 0.0 <= self.tap_sample_rate <= 1.0:
@@ -98,7 +102,13 @@ def is_loopback(host: str) -> bool:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = ServeConfig()
     p.add_argument("--model", default=d.model, help="'smollm2' or a model folder")
-    p.add_argument("--draft", default=None, help="initial EAGLE-3 draft (default: untrained)")
+    p.add_argument("--draft", default=None, help="initial draft folder (default: untrained)")
+    p.add_argument(
+        "--drafter",
+        default=None,
+        choices=DRAFTERS,
+        help="the draft's kind (default: --draft's, or eagle3 for an untrained one)",
+    )
     p.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
     p.add_argument(
         "--draft-vocab-size", type=int, default=d.draft_vocab_size, help="for a draft built here"
@@ -155,28 +165,56 @@ def resolve_model(name: str) -> Path:
     return path.resolve()
 
 
+def draft_kind(path: Path) -> str:
+    """ "eagle3" or "dflash": the kind of the draft folder `path` (its config.json's
+    architecture)."""
+    from codraft.draft.checkpoint import config_from_hf
+
+    try:
+        return config_from_hf(json.loads((path / "config.json").read_text())).kind
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ValueError(
+            f"draft {path}: expected an EAGLE-3 or DFlash checkpoint folder, its config.json "
+            f"is unusable: {e}"
+        ) from None
+
+
 def resolve_draft(cfg: ServeConfig, model: Path) -> Path:
-    """The --draft folder, or an untrained draft (version 0) under cfg.work_dir: deterministic
-    (seed 0, the first draft_vocab_size token ids), so it is built once per target and
-    settings and reused by later starts."""
+    """The --draft folder, or an untrained draft (version 0) of kind cfg.drafter under
+    cfg.work_dir: deterministic (seed 0; EAGLE-3: the first draft_vocab_size token ids), so it
+    is built once per target and settings and reused by later starts."""
     if cfg.draft is not None:
         path = Path(cfg.draft)
         if not (path / "config.json").is_file():
-            raise ValueError(f"--draft {cfg.draft!r}: expected an EAGLE-3 checkpoint folder")
+            raise ValueError(f"--draft {cfg.draft!r}: expected a draft checkpoint folder")
+        kind = draft_kind(path)
+        if cfg.drafter is not None and kind != cfg.drafter:
+            raise ValueError(
+                f"--drafter {cfg.drafter} but --draft {cfg.draft} is a {kind} draft: drop "
+                "--drafter (the draft's own kind is used) or give a draft of that kind"
+            )
         return path.resolve()
     import hashlib
 
     from codraft.draft.checkpoint import DraftCheckpointError, check_draft
+    from codraft.draft.dflash_config import DFlashConfig
     from codraft.draft.init import write_new_draft
     from codraft.models.config import TargetConfig
 
     target = TargetConfig.from_pretrained(model)
-    kwargs: dict[str, Any] = {"draft_vocab_size": min(cfg.draft_vocab_size, target.vocab_size)}
+    drafter = cfg.drafter or "eagle3"
+    kwargs: dict[str, Any] = {"drafter": drafter}
+    if drafter == "eagle3":
+        kwargs["draft_vocab_size"] = min(cfg.draft_vocab_size, target.vocab_size)
+    else:
+        kwargs["block_size"] = max(DFlashConfig.block_size, cfg.num_speculative_tokens + 1)
     if cfg.dtype in ("float32", "bfloat16", "float16"):
         kwargs["dtype"] = cfg.dtype
     elif target.dtype:
         kwargs["dtype"] = target.dtype
-    key = (model / "config.json").read_bytes() + json.dumps(kwargs, sort_keys=True).encode()
+    # (an EAGLE-3 draft's key leaves the kind out: folders built before DFlash keep their names)
+    named = {k: v for k, v in kwargs.items() if not (k == "drafter" and v == "eagle3")}
+    key = (model / "config.json").read_bytes() + json.dumps(named, sort_keys=True).encode()
     out = Path(cfg.work_dir) / f"draft-v0-untrained-{hashlib.sha256(key).hexdigest()[:12]}"
     try:
         check_draft(out)
@@ -187,7 +225,7 @@ def resolve_draft(cfg: ServeConfig, model: Path) -> Path:
             )
         except FileExistsError:  # another server wrote it meanwhile
             check_draft(out)
-    log.warning("no --draft given: serving an untrained EAGLE-3 draft (version 0) at %s", out)
+    log.warning("no --draft given: serving an untrained %s draft (version 0) at %s", drafter, out)
     return out.resolve()
 
 
@@ -250,7 +288,7 @@ def vllm_argv(cfg: ServeConfig, model: Path, draft: Path) -> list[str]:
     if not isinstance(extra, dict):
         raise ValueError("--additional-config must be a JSON object")
     spec = {
-        "method": "eagle3",
+        "method": draft_kind(draft),
         "model": str(draft),
         "num_speculative_tokens": cfg.num_speculative_tokens,
     }

@@ -1,7 +1,8 @@
 """The codraft worker extension: capture, tap publishing, live draft swap, policy reload.
 
 Configure it with `worker_extension_cls="codraft.server.worker_ext.CodraftWorkerExtension"`, EAGLE-3
-speculative decoding, and (optionally) `additional_config=EngineConfig(...).to_additional_config()`.
+or DFlash speculative decoding (the draft's kind must be the method's), and (optionally)
+`additional_config=EngineConfig(...).to_additional_config()`.
 vLLM mixes the class into its worker; the methods below are then reachable through
 `collective_rpc(name, kwargs=...)` (one result per worker; TP ranks answer alike, take [0]).
 They run in the engine's own loop, between engine steps, and never raise: every failure comes
@@ -12,9 +13,9 @@ after the engine is built, before serving (`codraft serve` does; `codraft_info()
 
 RPC interface (all values plain JSON types):
 
-- `codraft_info()` -> {"ok", "draft": {"version", "sha256", "path", "loaded_at", "tap_layers",
-  "previous_version", "highest_version"}, "policy": {"version", "path", "loaded_at"}, "tap":
-  {"enabled", "mode", "sample_rate", "endpoint"}, "vllm_version"}
+- `codraft_info()` -> {"ok", "draft": {"version", "sha256", "path", "loaded_at", "kind" ("eagle3"
+  or "dflash"), "tap_layers", "previous_version", "highest_version"}, "policy": {"version",
+  "path", "loaded_at"}, "tap": {"enabled", "mode", "sample_rate", "endpoint"}, "vllm_version"}
 - `codraft_prepare_draft(path, version=None, sha256=None)` -> {"ok", "ticket", "version",
   "ready": False}: starts reading, hashing, checking and staging the checkpoint in a background
   thread (codraft.server.draft_swap); 409 when version is not above the highest one installed
@@ -100,6 +101,7 @@ from codraft.server.weights import (
 from codraft.tap.message import DTYPES
 
 log = logging.getLogger(__name__)
+METHODS = ("eagle3", "dflash")  # speculative methods whose drafts codraft swaps and trains
 
 
 def _error(status: int, message: str) -> dict[str, Any]:
@@ -154,6 +156,12 @@ class CodraftEngine(StepListener):
             self.serving["fingerprint"],
             read_initial_draft(spec.draft_model_config.model),
         )
+        if self.current.config.kind != spec.method:
+            raise SwapError(
+                503,
+                f"the engine runs speculative method {spec.method!r} with a "
+                f"{self.current.config.kind} draft ({spec.draft_model_config.model})",
+            )
         taps = tuple(self.current.config.tap_layers)
         self.policy = PolicySlot(0, self.serving["path"], utc_now())
         self.acceptance = Acceptance(self.cfg.rollback_window)
@@ -222,11 +230,12 @@ class CodraftEngine(StepListener):
 
     def _check_engine(self) -> None:
         spec = self.vllm_config.speculative_config
-        if spec is None or spec.method != "eagle3":
+        if spec is None or spec.method not in METHODS:
             raise SwapError(
                 503,
-                "codraft needs EAGLE-3 speculative decoding: start the engine with "
-                "speculative_config={'method': 'eagle3', 'model': <draft folder>, ...}",
+                f"codraft needs EAGLE-3 or DFlash speculative decoding, found "
+                f"{getattr(spec, 'method', None)!r}: start the engine with speculative_config="
+                "{'method': 'eagle3' or 'dflash', 'model': <draft folder>, ...}",
             )
         if self.vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise SwapError(503, "codraft does not support pipeline parallelism in the server")

@@ -85,6 +85,7 @@ class StubEngine:
             "sha256": sha,
             "path": path,
             "loaded_at": f"t{version}",
+            "kind": "eagle3",
             "tap_layers": [1, 2, 3],
         }
 
@@ -358,6 +359,7 @@ def test_every_route_with_typed_answers(server: ThreadServer, engine: StubEngine
         assert c.health().ok and c.ready().policy_version == 0
         d = c.draft()
         assert (d.version, d.sha256, d.tap_layers, d.previous_version) == (0, SHA0, [1, 2, 3], None)
+        assert d.kind == "eagle3"
         assert d.acceptance.acceptance_length == 2.2 and d.acceptance.rate == 0.4
 
         d = c.load_draft(1, str(tmp_path / "v1"), sha256=sha)
@@ -382,6 +384,7 @@ def test_every_route_with_typed_answers(server: ThreadServer, engine: StubEngine
 
         m = c.metrics()
         assert m["codraft_draft_version"] == 0 and m["codraft_policy_version"] == 3
+        assert m['codraft_draft_info{kind="eagle3"}'] == 1
         assert m['codraft_draft_acceptance_length{version="0"}'] == 2.2
         assert m["codraft_tap_messages_sent_total"] == 7
     assert engine.calls["codraft_swap_draft"] == engine.calls["codraft_commit_draft"] == 1

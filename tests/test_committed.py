@@ -102,3 +102,25 @@ def test_a_restart_falls_back_to_the_newest_commit_that_still_checks_out(
         _record(rec, drafts[3])
         _record(rec, copy, version=5)
     assert len(json.loads(rec.read_text())["earlier"]) <= EARLIER
+
+
+def test_a_restart_keeps_its_drafter_kind(drafts, tiny_llama_dir: Path, tmp_path: Path, caplog):
+    """A server started with a DFlash draft never resumes an EAGLE-3 commit (vLLM's method
+    follows the draft), and the other way round; a commit of its own kind still wins."""
+    dflash = {
+        v: write_new_draft(
+            tmp_path / f"dflash{v}",
+            tiny_llama_dir,
+            version=v,
+            drafter="dflash",
+            tap_layers=(1, 2, 4),
+        )  # fmt: skip
+        for v in (0, 4)
+    }
+    rec = _record(tmp_path / "r.json", dflash[4])
+    _record(rec, drafts[5])  # the newest commit: EAGLE-3 v5, then DFlash v4
+    with caplog.at_level(logging.WARNING, logger="codraft.serve"):
+        assert choose_draft(rec, dflash[0]) == dflash[4].resolve()
+    assert "is a draft of kind eagle3, the server starts one of kind dflash" in caplog.text
+    only_dflash = _record(tmp_path / "r2.json", dflash[4])
+    assert choose_draft(only_dflash, drafts[0]) == drafts[0]

@@ -16,7 +16,10 @@ REPO = Path(__file__).resolve().parents[1]
 KIT = REPO / "scripts" / "gpu_vllm"
 
 
-def test_release_defaults_are_version_gated(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_release_defaults_are_version_gated(
+    monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    from codraft.draft.init import write_new_draft
     from codraft.server import compat
     from codraft.server.serve_config import ServeConfig, vllm_argv
 
@@ -30,7 +33,8 @@ def test_release_defaults_are_version_gated(monkeypatch: pytest.MonkeyPatch) -> 
     assert compat.traits("0.32.0").serve_api == "launchers"
 
     monkeypatch.setattr(compat, "vllm_version", lambda: "0.26.0")
-    argv = vllm_argv(ServeConfig(vllm_args=["--max-num-seqs", "8"]), Path("/m"), Path("/d"))
+    draft = write_new_draft(tmp_path / "d", tiny_llama_dir, draft_vocab_size=64)
+    argv = vllm_argv(ServeConfig(vllm_args=["--max-num-seqs", "8"]), Path("/m"), draft)
     assert argv[-2:] == ["--max-num-seqs", "8"]
     assert not {"--no-async-scheduling", "--enforce-eager"} & set(argv)
 

@@ -275,6 +275,11 @@ def test_responses_name_their_draft_version(server: ServeProcess) -> None:
         await client.close()
 
     asyncio.run(streamed())
+    # every complete response above got its version from the engine, none from the fallback
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    assert _metric(text, 'codraft_version_headers_total{source="engine"}') >= 3
+    assert _metric(text, 'codraft_version_headers_total{source="arrival"}') == 0
+    assert _metric(text, 'codraft_draft_info{kind="eagle3"}') == 1
 
 
 # ------------------------------------------------------------------------------ no learner
@@ -1101,8 +1106,11 @@ def test_prepare_route_answers_202_and_refuses_what_a_swap_refuses() -> None:
         assert (r.status_code, r.json()) == (200, staged)
 
 
-def test_serve_config_token_exposure_and_vllm_args(tmp_path: Path, monkeypatch) -> None:
-    from codraft.server.serve_config import ServeConfig, vllm_argv
+def test_serve_config_token_exposure_and_vllm_args(
+    tmp_path: Path, tiny_llama_dir: Path, monkeypatch
+) -> None:
+    from codraft.draft.init import write_new_draft
+    from codraft.server.serve_config import ServeConfig, resolve_draft, vllm_argv
 
     monkeypatch.delenv("CODRAFT_CONTROL_TOKEN", raising=False)
     assert ServeConfig().resolve_token() is None
@@ -1124,9 +1132,22 @@ def test_serve_config_token_exposure_and_vllm_args(tmp_path: Path, monkeypatch) 
         tap_endpoint="tcp://127.0.0.1:5557",
         vllm_args=["--max-num-seqs", "4", "--additional-config", '{"codraft": {"tap_hwm": 2}}'],
     )
-    argv = vllm_argv(cfg, Path("/m"), Path("/d"))
+    d = write_new_draft(tmp_path / "d", tiny_llama_dir, draft_vocab_size=64)
+    argv = vllm_argv(cfg, Path("/m"), d)
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
-    assert spec == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3}
+    assert spec == {"method": "eagle3", "model": str(d), "num_speculative_tokens": 3}
+    # the speculative method is the draft's kind; --drafter must agree with a --draft
+    dflash = write_new_draft(tmp_path / "f", tiny_llama_dir, drafter="dflash", tap_layers=(1, 2))
+    argv = vllm_argv(cfg, Path("/m"), dflash)
+    assert json.loads(argv[argv.index("--speculative-config") + 1])["method"] == "dflash"
+    with pytest.raises(ValueError, match="--drafter dflash but --draft .* is a eagle3 draft"):
+        resolve_draft(ServeConfig(draft=str(d), drafter="dflash"), tiny_llama_dir)
+    built = resolve_draft(
+        ServeConfig(drafter="dflash", work_dir=str(tmp_path / "w")), tiny_llama_dir
+    )
+    assert json.loads((built / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    with pytest.raises(ValueError, match="drafter must be one of"):
+        ServeConfig(drafter="medusa")
     assert argv[argv.index("--worker-extension-cls") + 1].endswith("CodraftWorkerExtension")
     extra = json.loads(argv[argv.index("--additional-config") + 1])["codraft"]
     assert extra["tap_endpoint"] == "tcp://127.0.0.1:5557" and extra["tap_hwm"] == 2
@@ -1136,14 +1157,14 @@ def test_serve_config_token_exposure_and_vllm_args(tmp_path: Path, monkeypatch) 
     assert not {"--enforce-eager", "--no-async-scheduling"} & set(argv)
     assert "--no-enable-prefix-caching" in argv  # "full" taps need every prompt computed
     cfg = ServeConfig(tap_mode="ids", vllm_args=["--enable-prefix-caching"])
-    assert "--no-enable-prefix-caching" not in vllm_argv(cfg, Path("/m"), Path("/d"))
+    assert "--no-enable-prefix-caching" not in vllm_argv(cfg, Path("/m"), d)
     with pytest.raises(ValueError, match="speculative-config"):
-        vllm_argv(ServeConfig(vllm_args=["--speculative-config", "{}"]), Path("/m"), Path("/d"))
+        vllm_argv(ServeConfig(vllm_args=["--speculative-config", "{}"]), Path("/m"), d)
     with pytest.raises(ValueError, match="unknown codraft engine setting"):
         vllm_argv(
             ServeConfig(vllm_args=['--additional-config={"codraft": {"nope": 1}}']),
             Path("/m"),
-            Path("/d"),
+            d,
         )
 
 
