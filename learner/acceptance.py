@@ -9,6 +9,11 @@ of a teacher-forced TTT forward at anchor i predicts x[i+d+1] from exactly the i
 drafting would have fed it whenever passes 1..d-1 were right, so the walk below reproduces the
 steps vLLM would take, without running vLLM. Acceptance length = tokens emitted / steps (what
 vLLM reports as 1 + accepted / drafts).
+
+A DFlash draft proposes its k tokens at once: at anchor i its block holds x[i+1] and k mask
+slots at positions i+2.., over the context x[..i], and slot d proposes x[i+d+1]. A proposal
+counts only when the slots before it won too (the walk stops at the first miss), so the block of
+the training forward at anchor i is exactly the one vLLM would draft there.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from codraft.draft.dflash import DFlashDraft
 from codraft.draft.model import Eagle3Draft
+from codraft.learner.attention.block_draft import block_draft_attention
 from codraft.learner.attention.pass_attention import pass_attention
-from codraft.learner.data.packing import Sample, pack
+from codraft.learner.data.packing import PackedBatch, Sample, pack
 from codraft.learner.teacher import Teacher
 from codraft.learner.ttt import draft_states
 
@@ -72,9 +79,49 @@ def prompt_length(sample: Sample) -> int:
     return int(on[0]) if len(on) else len(sample)
 
 
+def _chain_hits(draft: Eagle3Draft, packed: PackedBatch, k: int) -> torch.Tensor:
+    """hits [k, n]: pass d at anchor i (teacher-forced TTT) proposes x[i+d+1]."""
+    ids, n = packed.input_ids, packed.input_ids.shape[0]
+    to_target = draft.draft_to_target_ids().to(ids.device)
+    hits = torch.zeros(k, n, dtype=torch.bool, device=ids.device)
+    passes = draft_states(
+        draft, ids, packed.positions, packed.cu_seqlens, packed.taps, pass_attention, k
+    )
+    for d, h in passes:
+        pred = to_target[draft.logits(h).argmax(-1)]
+        idx = torch.arange(n, device=ids.device) + d + 1
+        hits[d - 1] = pred == ids[idx.clamp(max=n - 1)]
+    return hits
+
+
+def _block_hits(draft: DFlashDraft, packed: PackedBatch, k: int, chunk: int = 1024) -> torch.Tensor:
+    """hits [k, n]: slot d of the block anchored after position i proposes x[i+d+1] (the
+    logits a chunk of rows at a time: the head is the target's whole vocabulary)."""
+    if k >= draft.config.block_size:
+        raise ValueError(
+            f"k={k} proposals need {k + 1} slots, the DFlash draft's blocks have "
+            f"{draft.config.block_size}: estimate with k <= {draft.config.block_size - 1}"
+        )
+    ids, cu = packed.input_ids, packed.cu_seqlens
+
+    def attn(q, kc, vc, kb, vb):
+        return block_draft_attention(q, kc, vc, kb, vb, cu)
+
+    h, source = draft.hidden(ids, packed.taps, cu, attn)
+    n = ids.shape[0]
+    hits = torch.zeros(k, n, dtype=torch.bool, device=ids.device)
+    for d in range(1, k + 1):
+        src = source[d]
+        for a in range(0, n, chunk):
+            pred = draft.logits(h[d, a : a + chunk]).argmax(-1)
+            want = ids[src[a : a + chunk].clamp(min=0)]
+            hits[d - 1, a : a + chunk] = (src[a : a + chunk] >= 0) & (pred == want)
+    return hits
+
+
 @torch.no_grad()
 def estimate_acceptance(
-    draft: Eagle3Draft,
+    draft: Eagle3Draft | DFlashDraft,
     teacher: Teacher | None,
     sequences: Sequence[tuple[torch.Tensor, int] | Sample],
     k: int = 3,
@@ -88,7 +135,7 @@ def estimate_acceptance(
     was_training = draft.training
     draft.eval()
     device = teacher.device if teacher is not None else draft.fc.weight.device
-    to_target = draft.draft_to_target_ids().to(device)
+    hits_of = _block_hits if isinstance(draft, DFlashDraft) else _chain_hits
     batch: list[tuple[Sample, int]] = []
 
     def run(items: list[tuple[Sample, int]]) -> None:
@@ -97,17 +144,7 @@ def estimate_acceptance(
             if teacher is None:
                 raise ValueError("sequences without taps need a recompute-mode teacher")
             packed = teacher.fill(packed, draft.config.tap_layers)
-        ids = packed.input_ids
-        n = ids.shape[0]
-        hits = torch.zeros(k, n, dtype=torch.bool, device=device)
-        passes = draft_states(
-            draft, ids, packed.positions, packed.cu_seqlens,
-            packed.taps, pass_attention, k,
-        )  # fmt: skip
-        for d, h in passes:
-            pred = to_target[draft.logits(h).argmax(-1)]
-            idx = torch.arange(n, device=device) + d + 1
-            hits[d - 1] = pred == ids[idx.clamp(max=n - 1)]
+        hits = hits_of(draft, packed, k)  # type: ignore[arg-type]
         cu = packed.cu_seqlens.tolist()
         for j, (tokens, prompt_len) in enumerate(items):
             a = cu[j]

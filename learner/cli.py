@@ -45,8 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--drafter",
         choices=("eagle3", "dflash"),
         default=TrainConfig.drafter,
-        help="the draft to train: EAGLE-3 (TTT passes) or a DFlash block drafter (offline; "
-        "online serving of DFlash drafts is not wired yet)",
+        help="the draft to train: EAGLE-3 (TTT passes) or a DFlash block drafter; online "
+        "(--server), the kind the server serves wins",
     )
     p.add_argument(
         "--block-size", type=int, default=TrainConfig.block_size, help="dflash: slots a block"
@@ -214,10 +214,10 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=fmt)
     if bool(args.from_dir) == bool(args.server):
         raise SystemExit("codraft learn: give exactly one of --from-dir DIR or --server URL")
-    if args.drafter == "dflash" and (args.server or args.pp > 1):
+    if args.drafter == "dflash" and args.pp > 1:
         raise SystemExit(
-            "codraft learn: --drafter dflash trains offline (--from-dir) in one pipeline stage "
-            "for now; online DFlash (--server) and --pp are not wired yet"
+            "codraft learn: --drafter dflash trains in one pipeline stage: drop --pp (online, "
+            "the learner trains the kind of draft the server serves)"
         )
     if args.pp > 1 and args.from_dir:
         from codraft.learner.pipeline_trainer import train_pipeline

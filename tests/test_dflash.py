@@ -419,3 +419,55 @@ def test_a_batch_without_loss_tokens_gives_a_zero_loss_with_gradients():
     out.loss.backward()
     assert float(out.loss.detach()) == 0.0 and out.tokens == [0, 0, 0]
     assert all(p.grad is not None and not p.grad.any() for p in draft.parameters())
+
+
+# --------------------------------------------------------------------------------------------
+# the acceptance estimate the online learner gates publishes on
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bug", [None, "slot_shift"])
+def test_acceptance_estimate_walks_the_blocks_vllm_would_draft(bug, monkeypatch):
+    """Sequences are built step by step the way greedy verification goes: at each anchor the
+    block is computed as vLLM serves it (`_served_block`), the next r tokens are set to its
+    first r proposals and the one after to something else, r drawn at random. The estimate must
+    find exactly those accepted lengths. Planted: slots read one position off."""
+    from codraft.learner import acceptance
+    from codraft.learner.data.packing import Sample
+
+    cfg, k = _tiny(), 3
+    draft = _draft(cfg, seed=5)
+    if bug == "slot_shift":
+        real = acceptance._block_hits
+
+        def shifted(d, packed, kk, chunk=1024):
+            return torch.roll(real(d, packed, kk, chunk), 1, dims=0)
+
+        monkeypatch.setattr(acceptance, "_block_hits", shifted)
+    g = torch.Generator().manual_seed(11)
+    samples, want_steps, want_emitted, want_pos = [], 0, 0, [0] * k
+    for length, prompt in ((40, 5), (33, 9)):
+        ids = torch.randint(0, cfg.vocab_size, (length,), generator=g)
+        taps = torch.randn(length, cfg.num_taps * cfg.hidden_size, generator=g, dtype=torch.float64)
+        i = prompt - 1
+        while i + 2 <= length - 1:
+            with torch.no_grad():
+                props = _served_block(draft, ids, taps, i + 1).argmax(-1)[1 : k + 1]
+            remaining = length - 1 - (i + 1)
+            r = min(int(torch.randint(0, k + 1, (), generator=g)), remaining)
+            ids[i + 2 : i + 2 + r] = props[:r]
+            if r < min(k, remaining):  # the proposal after the accepted ones must lose
+                ids[i + 2 + r] = (props[r] + 1) % cfg.vocab_size
+            for d in range(r):
+                want_pos[d] += 1
+            want_steps += 1
+            want_emitted += min(r + 1, remaining)
+            i += min(r + 1, remaining)
+        mask = torch.zeros(length, dtype=torch.uint8)
+        mask[prompt:] = 1
+        samples.append(Sample(ids, mask, taps=taps, last_hidden=torch.zeros(length, 32)))
+    report = acceptance.estimate_acceptance(draft, None, samples, k=k)
+    got = (report.steps, report.emitted, report.accepted_per_pos)
+    if bug is None:
+        assert got == (want_steps, want_emitted, want_pos)
+        assert report.acceptance_length > 1.5  # both hits and misses were exercised
+    else:
+        assert got != (want_steps, want_emitted, want_pos)

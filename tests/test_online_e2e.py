@@ -142,3 +142,63 @@ def test_online_loop(tiny_llama_dir: Path, tmp_path: Path) -> None:
     for i, text in enumerate(outputs):
         assert text == ref.texts[i % len(PROMPTS)], f"prompt {i % len(PROMPTS)} differs"
     assert "HTTP/1.1 422" not in (tmp_path / "learner2.log").read_text()  # no refused request
+
+
+def test_online_loop_with_a_dflash_draft(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """The same loop with `codraft serve --drafter dflash`: the server captures the DFlash
+    draft's tap layers, the learner (no --drafter: it trains the kind the server serves) trains
+    a DFlash draft on them and publishes it, the server swaps it in; a learned version
+    serves, accepts clearly more than the untrained one, and every output is unchanged."""
+    port, cport, tap = free_port(), free_port(), free_port()
+    server = _spawn(
+        [
+            "serve", "--model", str(tiny_llama_dir), "--port", str(port), "--drafter", "dflash",
+            "--control-port", str(cport), "--control-token", TOKEN,
+            "--tap-endpoint", f"tcp://127.0.0.1:{tap}", "--dtype", "float32",
+            "--max-model-len", "512", "--num-speculative-tokens", "3",
+            "--work-dir", str(tmp_path / "server"), "--enforce-eager",
+        ],
+        tmp_path / "server.log",
+    )  # fmt: skip
+    learner = None
+    outputs: list[str] = []
+    try:
+        client = CodraftClient(f"http://127.0.0.1:{cport}", token=TOKEN)
+        client.wait_ready(timeout=300)
+        assert client.draft().kind == "dflash"
+        base = f"http://127.0.0.1:{port}"
+        first = asyncio.run(_round(base))
+        learner = _spawn(
+            [
+                "learn", "--server", f"http://127.0.0.1:{cport}", "--tap",
+                f"tcp://127.0.0.1:{tap}", "--target", str(tiny_llama_dir), "--out",
+                str(tmp_path / "learner"), "--token", TOKEN, "--publish-every", "15",
+                "--min-buffer-tokens", "300", "--token-budget", "1024", "--lr", "3e-3",
+                "--http-port", "0", "--device", "cpu", "--max-seconds", "600",
+            ],
+            tmp_path / "learner.log",
+        )  # fmt: skip
+        deadline = time.time() + 360
+        while time.time() < deadline and (client.draft().version or 0) < 2:
+            outputs += [t for t, _ in asyncio.run(_round(base))]
+        stop(learner)
+        log = (tmp_path / "learner.log").read_text()
+        assert (client.draft().version or 0) >= 1, "nothing was published: " + log[-3000:]
+        assert "published draft v" in log and "HTTP/1.1 422" not in log
+        final = asyncio.run(_round(base))
+        assert min(v for _, v in final) >= 1, [v for _, v in final]
+        assert client.draft().kind == "dflash"
+        acc = _acceptance(client)
+        print("DFlash acceptance by version", acc)
+        assert max(a for v, a in acc.items() if v >= 1) > acc[0] + 0.2, acc
+    finally:
+        if learner is not None:
+            stop(learner)
+        stop(server)
+    ref = run_arm_subprocess(
+        ArmSpec(target=str(tiny_llama_dir), prompts=PROMPTS, max_tokens=MAX_TOKENS,
+                max_model_len=512),
+        tmp_path / "arms",
+    )  # fmt: skip
+    for i, text in enumerate([t for t, _ in first + final] + outputs):
+        assert text == ref.texts[i % len(PROMPTS)], f"prompt {i % len(PROMPTS)} differs"

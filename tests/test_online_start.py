@@ -84,3 +84,25 @@ def test_an_untrained_serving_draft_or_fresh_draft_gives_a_new_one(target, tmp_p
     save_draft(tmp_path / "untrained", served0, meta0)
     draft = _learner(target, tmp_path / "b")._first_draft(served0.config, tmp_path / "untrained")
     assert not _same(draft, served0)
+
+
+def test_a_dflash_server_gets_a_dflash_draft(target, tmp_path) -> None:
+    """The learner trains the kind the server serves: from a trained DFlash draft's weights,
+    or a new DFlash draft of the serving one's shape (block size, taps, mask token)."""
+    from codraft.draft.dflash import DFlashDraft
+    from codraft.draft.init import new_dflash_draft
+
+    tcfg = TargetConfig.from_pretrained(target)
+    served = new_dflash_draft(tcfg, mask_token_id=3, block_size=6, tap_layers=(1, 3), seed=4)
+    served = served.to(torch.bfloat16)
+    save_draft(tmp_path / "served", served, DraftMeta(version=5, counters={"step": 40}))
+    learner = _learner(target, tmp_path)
+    draft = learner._first_draft(served.config, tmp_path / "served")
+    assert isinstance(draft, DFlashDraft) and _same(draft, served)
+    assert all(p.dtype == torch.float32 for p in draft.parameters())
+    fresh = _learner(target, tmp_path / "b", warm_start=False)._first_draft(
+        served.config, tmp_path / "served"
+    )
+    assert isinstance(fresh, DFlashDraft) and not _same(fresh, served)
+    c = fresh.config
+    assert (c.block_size, c.tap_layers, c.mask_token_id) == (6, (1, 3), 3)

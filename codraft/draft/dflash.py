@@ -166,11 +166,12 @@ class DFlashDraft(nn.Module):
         a = layer.self_attn
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         x = layer.input_layernorm(h)
-        q = a.q_norm(a.q_proj(x).unflatten(-1, (hq, d)))
-        k = a.k_norm(a.k_proj(x).unflatten(-1, (hkv, d)))
         v = a.v_proj(x).unflatten(-1, (hkv, d))
-        kc = a.k_norm(a.k_proj(ctx).unflatten(-1, (hkv, d)))
         vc = a.v_proj(ctx).unflatten(-1, (hkv, d))
+        # the norms compute in fp32; attention takes one dtype (the projections', under autocast)
+        q = a.q_norm(a.q_proj(x).unflatten(-1, (hq, d))).to(v.dtype)
+        k = a.k_norm(a.k_proj(x).unflatten(-1, (hkv, d))).to(v.dtype)
+        kc = a.k_norm(a.k_proj(ctx).unflatten(-1, (hkv, d))).to(vc.dtype)
         cos, sin = self.rotary(blk_pos.to(x.device), q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cos, sin = self.rotary(ctx_pos.to(x.device), kc.dtype)
@@ -195,8 +196,7 @@ class DFlashDraft(nn.Module):
         document)."""
         # index tensors built on the host once a step (a small copy), then kept on the device
         ctx_pos, blk_pos, source = (
-            t.to(input_ids.device)
-            for t in rows_and_slots(cu_seqlens.cpu(), self.config.block_size)
+            t.to(input_ids.device) for t in rows_and_slots(cu_seqlens.cpu(), self.config.block_size)
         )
         h = self.embed(self.block_tokens(input_ids, source))
         ctx = self.context(taps)

@@ -40,13 +40,17 @@ import torch
 
 from codraft.client import CodraftClient
 from codraft.client.errors import CodraftConnectionError, CodraftHTTPError
-from codraft.draft.checkpoint import DraftCheckpointError, check_draft, load_draft
+from codraft.draft.checkpoint import AnyDraftConfig, DraftCheckpointError, check_draft, load_draft
 from codraft.draft.config import DraftConfig
+from codraft.draft.dflash import DFlashDraft
+from codraft.draft.dflash_config import DFlashConfig
+from codraft.draft.init import new_dflash_draft
 from codraft.draft.model import Eagle3Draft
 from codraft.draft.vocab import build_draft_vocab
 from codraft.learner.acceptance import estimate_acceptance
 from codraft.learner.checkpoints import newest_good
 from codraft.learner.data.packing import PackedBatch, Sample, pack
+from codraft.learner.dflash_trainer import make_trainer
 from codraft.learner.online.buffer import BufferPolicy, SampleBuffer
 from codraft.learner.online.feed import (
     EVAL,
@@ -153,7 +157,7 @@ class OnlineLearner:
         self._saved_policy = 0  # the newest policy version in that checkpoint's data
         self._waited = 0.0  # seconds this rank waited for its next step
         self.trainer: Trainer | None = None
-        self.serving: Eagle3Draft | None = None  # what the server serves, for comparisons
+        self.serving: Eagle3Draft | DFlashDraft | None = None  # the server's, for comparisons
         self.stop_event = threading.Event()
         self.published: list[int] = []
         self._superseded_seen = 0
@@ -322,7 +326,7 @@ class OnlineLearner:
             signal.signal(sig, stop)
 
     # ------------------------------------------------------------------ pieces
-    def _serving_config(self) -> tuple[DraftConfig | None, Path | None]:
+    def _serving_config(self) -> tuple[AnyDraftConfig | None, Path | None]:
         try:
             info = self.client.draft()
         except (CodraftConnectionError, CodraftHTTPError) as e:
@@ -357,8 +361,10 @@ class OnlineLearner:
             first = self._first_draft(serving_cfg, serving_path) if self.main else None
             draft = self.feed.share_draft(first)
         if not self.pipelined:
-            self.trainer = Trainer(
-                self.target_dir, out, self.train_cfg, draft=draft,
+            # the kind the server serves (a draft of another kind would be refused there)
+            train_cfg = replace(self.train_cfg, drafter=draft.config.kind)
+            self.trainer = make_trainer(
+                self.target_dir, out, train_cfg, draft=draft,
                 target_config=self.target_config, parallel=self.parallel,
             )  # fmt: skip
             self.trainer.resume()
@@ -371,7 +377,10 @@ class OnlineLearner:
                 embedding = load_embedding(
                     self.target_dir, device=self.trainer.device, config=self.target_config
                 )
-                served.set_embedding(embedding)
+                if isinstance(served, DFlashDraft):  # the target's embedding and lm_head
+                    served.set_target_head(embedding, self.trainer.draft.head_weight())
+                else:
+                    served.set_embedding(embedding)
                 self.serving = served.to(self.trainer.device).eval()
             except (DraftCheckpointError, ValueError) as e:
                 log.warning("cannot load the serving draft for comparisons: %s", e)
@@ -384,10 +393,15 @@ class OnlineLearner:
         )  # fmt: skip
 
     def _start_pipeline(
-        self, resume: bool, serving_cfg: DraftConfig | None, serving_path: Path | None
+        self, resume: bool, serving_cfg: AnyDraftConfig | None, serving_path: Path | None
     ) -> None:
         """Every rank of the pipeline: its stage of the target; the lead (the last stage) the
         trainer, from --out's newest checkpoint or its new draft. Collective."""
+        if serving_cfg is not None and serving_cfg.kind != "eagle3":
+            raise ValueError(
+                f"the server serves a {serving_cfg.kind} draft; the pipelined learner (--pp) "
+                "trains EAGLE-3 drafts only: run it without --pp"
+            )
         draft, out = None, Path(self.cfg.out)
         if resume and self.mesh.pp_rank == self.mesh.dims.pp - 1:
             good = newest_good(out)
@@ -405,7 +419,9 @@ class OnlineLearner:
             self.trainer.resume()
             self._saved_step = self.trainer.step_count
 
-    def _first_draft(self, serving_cfg: DraftConfig | None, path: Path | None) -> Eagle3Draft:
+    def _first_draft(
+        self, serving_cfg: AnyDraftConfig | None, path: Path | None
+    ) -> Eagle3Draft | DFlashDraft:
         """Rank 0, no checkpoint in --out: the serving draft's weights when it was trained (a
         learner that lost its volume, or joins a server already serving a good draft, goes on
         from there instead of training up to it again), else a new draft."""
@@ -418,14 +434,26 @@ class OnlineLearner:
             return self._new_draft(serving_cfg)
         if meta.counters.get("step", 1) == 0:
             return self._new_draft(serving_cfg)  # never trained: a vocabulary from the buffer
-        draft = Eagle3Draft(DraftConfig(**{**serving_cfg.to_dict(), "dtype": "float32"}))
+        fp32 = replace(serving_cfg, dtype="float32")
+        draft = DFlashDraft(fp32) if isinstance(fp32, DFlashConfig) else Eagle3Draft(fp32)
         draft.load_state_dict(served.state_dict(), strict=True)
         log.info("no checkpoint in %s: starting from the serving draft v%d (%s)",
                  self.cfg.out, meta.version, path)  # fmt: skip
         return draft
 
-    def _new_draft(self, serving_cfg: DraftConfig | None) -> Eagle3Draft:
+    def _new_draft(self, serving_cfg: AnyDraftConfig | None) -> Eagle3Draft | DFlashDraft:
+        """A new draft of the serving draft's kind and shape (without one: of --drafter's)."""
         t = self.cfg.train
+        kind = serving_cfg.kind if serving_cfg is not None else t.drafter
+        if kind == "dflash":
+            if isinstance(serving_cfg, DFlashConfig):
+                torch.manual_seed(t.seed)
+                return DFlashDraft(replace(serving_cfg, dtype="float32"))
+            return new_dflash_draft(
+                self.target_config, mask_token_id=t.mask_token_id,
+                num_hidden_layers=t.dflash_layers, block_size=t.block_size,
+                tap_layers=t.tap_layers, seed=t.seed,
+            )  # fmt: skip
         if serving_cfg is not None:
             cfg = serving_cfg
             cfg = DraftConfig(**{**cfg.to_dict(), "dtype": "float32"})
@@ -526,7 +554,9 @@ class OnlineLearner:
             for s, a in zip(held, cu, strict=False)
         ]
 
-    def evaluate(self, draft: Eagle3Draft, held: list[Sample] | None = None) -> float | None:
+    def evaluate(
+        self, draft: Eagle3Draft | DFlashDraft, held: list[Sample] | None = None
+    ) -> float | None:
         """The draft's acceptance estimate on held-out captured requests (`held`: those with
         the features the pipelines computed); None when there are none, or when they came
         without features (ids-only taps) and no teacher here can run the target: then the

@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 
 from codraft.draft.config import DraftConfig
+from codraft.draft.dflash import DFlashDraft
+from codraft.draft.dflash_config import DFlashConfig
 from codraft.draft.model import Eagle3Draft
 from codraft.learner.data.packing import PackedBatch
 from codraft.learner.parallel.batch_broadcast import from_int_body, int_body, int_body_size
@@ -135,14 +137,19 @@ class BatchFeed:
         return sent
 
     # ------------------------------------------------------------------ the first draft
-    def share_draft(self, draft: Eagle3Draft | None) -> Eagle3Draft:
+    def share_draft(self, draft: Eagle3Draft | DFlashDraft | None) -> Eagle3Draft | DFlashDraft:
         """The lead passes its new draft, the others None; every rank gets the same weights and
-        vocabulary maps (its config as JSON bytes, then every tensor of its state). Collective."""
+        vocabulary maps (its kind and config as JSON bytes, then every tensor of its state).
+        Collective."""
         if self.world == 1:
             assert draft is not None
             return draft
         src = self.mesh.rank == self.lead
-        blob = json.dumps(draft.config.to_dict()).encode() if src else b""
+        blob = (
+            json.dumps({"kind": draft.config.kind, "config": draft.config.to_dict()}).encode()
+            if src
+            else b""
+        )
         size = torch.tensor([len(blob)], dtype=torch.int64, device=self.device)
         dist.broadcast(size, src=self.lead)
         raw = (
@@ -152,7 +159,11 @@ class BatchFeed:
         )
         dist.broadcast(raw, src=self.lead)
         if not src:
-            draft = Eagle3Draft(DraftConfig(**json.loads(bytes(raw.cpu().tolist()).decode())))
+            sent = json.loads(bytes(raw.cpu().tolist()).decode())
+            if sent["kind"] == "dflash":
+                draft = DFlashDraft(DFlashConfig(**sent["config"]))
+            else:
+                draft = Eagle3Draft(DraftConfig(**sent["config"]))
         state = draft.state_dict()
         for name in sorted(state):
             t = state[name].to(self.device).contiguous()

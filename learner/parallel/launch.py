@@ -74,7 +74,11 @@ def _share_gpus(cfg: ParallelConfig, local_ranks: int) -> bool:
 
 def _device(cfg: ParallelConfig, local_rank: int, share: bool) -> torch.device:
     if cfg.device != "auto":
-        return torch.device(cfg.device)
+        device = torch.device(cfg.device)
+        if device.type == "cuda" and device.index is None:  # "cuda": this rank's GPU
+            gpus = max(1, _gpus())
+            return torch.device("cuda", local_rank % gpus if share else local_rank)
+        return device
     gpus = _gpus()
     if gpus:
         return torch.device("cuda", local_rank % gpus if share else local_rank)
