@@ -9,14 +9,18 @@ the same recipe where training is cheap, in two stages on two machines:
            codraft.prepare's $CODRAFT_SMOLLM2_GGUF) convert the model, answer every question
            greedily (fp32, transformers' generate), write the answers as ids-only tap files,
            then `codraft learn --from-dir ... --recompute` (the target recomputes features on
-           the GPU) and copy the newest draft to --export
+           the GPU) for each of --drafters (EAGLE-3, DFlash: the same data, steps and tokens a
+           step, so the same training-token budget) and copy each newest draft, in bf16, to
+           --export/<drafter> (a weights file over --split-mib is cut into numbered pieces
+           for the trip back: `cat model.safetensors.part* > model.safetensors`)
 
 The draft is then judged on this machine on the held-out prompts of the CPU pipeline (the
 offline estimate and vLLM with and without the draft):
 
     python scripts/smollm2_gpu.py prompts --out runs/smollm2_gpu/prompts.json
-    python scripts/smollm2_gpu.py gpu --prompts prompts.json --work /tmp/w --export $OUT/draft
-    python scripts/smollm2_offline.py --out runs/smollm2 --stage eval --draft DIR
+    python scripts/smollm2_gpu.py gpu --prompts prompts.json --work /tmp/w --export $OUT \
+        --drafters eagle3,dflash
+    python scripts/smollm2_offline.py --out runs/smollm2 --stage eval --draft DIR/eagle3
 """
 
 from __future__ import annotations
@@ -103,7 +107,12 @@ def stage_gpu(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     model_dir = prepare_smollm2(work / "SmolLM2-135M-Instruct").path
     questions = json.loads(Path(args.prompts).read_text())["questions"][: args.limit]
-    pairs = _generate(model_dir, questions, args)
+    cached = work / f"answers-{len(questions)}-{args.max_tokens}.json"
+    if args.reuse_answers and cached.exists():  # a second call on the same machine
+        pairs = [tuple(x) for x in json.loads(cached.read_text())]
+    else:
+        pairs = _generate(model_dir, questions, args)
+        cached.write_text(json.dumps(pairs))
     t_gen = time.perf_counter() - t0
     cfg = TargetConfig.from_pretrained(model_dir)
     taps, fp = cfg.default_tap_layers(), model_fingerprint(cfg)
@@ -123,38 +132,74 @@ def stage_gpu(args: argparse.Namespace) -> None:
             )
     answer_tokens = sum(len(a) for _, a in pairs)
     print(f"{len(pairs)} answers, {answer_tokens} answer tokens, in {t_gen:.0f} s", flush=True)
-    ckpt = work / "ckpt"
+    export = Path(args.export)
+    export.mkdir(parents=True, exist_ok=True)
+    report: dict = {
+        "questions": len(questions), "answer_tokens": answer_tokens, "generate_s": t_gen,
+        "steps": args.steps, "token_budget": args.token_budget, "lr": args.lr, "k": args.k,
+        "draft_vocab": args.draft_vocab, "drafters": {},
+    }  # fmt: skip
+    steps = args.steps
+    for drafter in args.drafters.split(","):
+        got = _train(args, drafter, steps, data, model_dir, work, export)
+        report["drafters"][drafter] = got
+        if args.same_budget and got.get("step"):  # the next drafter: exactly as many steps
+            steps = got["step"]
+        (export / "smollm2_gpu_train.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+def _train(
+    args: argparse.Namespace,
+    drafter: str,
+    steps: int,
+    data: Path,
+    model_dir: Path,
+    work: Path,
+    export: Path,
+) -> dict:
+    """Train one drafter on the recorded answers; export its newest draft in bf16."""
+    from codraft.draft.checkpoint import load_draft, read_meta, save_draft
+
+    ckpt = work / f"ckpt-{drafter}"
+    shutil.rmtree(ckpt, ignore_errors=True)
     cmd = [
         sys.executable, "-m", "codraft.learner.cli",
         "--from-dir", str(data), "--target", str(model_dir), "--out", str(ckpt),
-        "--steps", str(args.steps), "--k", str(args.k), "--lr", str(args.lr),
+        "--steps", str(steps), "--k", str(args.k), "--lr", str(args.lr),
         "--token-budget", str(args.token_budget), "--draft-vocab", str(args.draft_vocab),
         "--save-every", str(args.save_every), "--recompute", "--device", args.device,
+        "--drafter", drafter,
     ]  # fmt: skip
     t1 = time.perf_counter()
     try:
         subprocess.run(cmd, check=True, timeout=args.train_seconds)
     except subprocess.TimeoutExpired:
-        print(f"training stopped by --train-seconds {args.train_seconds}", flush=True)
+        print(f"{drafter}: training stopped by --train-seconds {args.train_seconds}", flush=True)
+    except subprocess.CalledProcessError as e:
+        print(f"{drafter}: training failed (exit {e.returncode})", flush=True)
     t_train = time.perf_counter() - t1
-    step = (ckpt / "latest").read_text().strip()
-    export = Path(args.export)
-    shutil.rmtree(export, ignore_errors=True)
-    shutil.copytree(ckpt / step / "draft", export)
-    report = {
-        "questions": len(questions),
-        "answer_tokens": answer_tokens,
-        "generate_s": t_gen,
+    latest = ckpt / "latest"
+    if not latest.exists():
+        return {"train_s": t_train, "checkpoint": None}
+    step = latest.read_text().strip()
+    model, meta = load_draft(ckpt / step / "draft")
+    out = export / drafter
+    shutil.rmtree(out, ignore_errors=True)
+    save_draft(out, model, meta, dtype="bfloat16")  # a new sha256 for the bf16 weights
+    weights = out / "model.safetensors"
+    if weights.stat().st_size > args.split_mib << 20:
+        data_bytes, piece = weights.read_bytes(), args.split_mib << 20
+        for i in range(0, len(data_bytes), piece):
+            (out / f"model.safetensors.part{i // piece}").write_bytes(data_bytes[i : i + piece])
+        weights.unlink()
+    return {
         "train_s": t_train,
         "checkpoint": step,
-        "steps": args.steps,
-        "token_budget": args.token_budget,
-        "lr": args.lr,
-        "k": args.k,
-        "draft_vocab": args.draft_vocab,
+        "step": meta.counters.get("step"),
+        "tokens_trained": read_meta(ckpt / step / "draft").counters.get("tokens"),
+        "counters": meta.counters,
     }
-    (export.parent / "smollm2_gpu_train.json").write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
 
 
 def main() -> None:
@@ -168,7 +213,14 @@ def main() -> None:
     g = sub.add_parser("gpu", help="answer, record, train on the GPU host")
     g.add_argument("--prompts", required=True)
     g.add_argument("--work", default=os.environ.get("TMPDIR", "/tmp") + "/smollm2_gpu")
-    g.add_argument("--export", required=True, help="folder for the newest draft")
+    g.add_argument("--export", required=True, help="folder for the newest draft of each drafter")
+    g.add_argument("--drafters", default="eagle3", help="eagle3, dflash or both (comma)")
+    g.add_argument("--split-mib", type=int, default=15, help="weights larger: cut in pieces")
+    g.add_argument("--reuse-answers", action="store_true", help="answers of an earlier run")
+    g.add_argument(
+        "--same-budget", action="store_true",
+        help="each later drafter trains exactly the steps the first one reached",
+    )  # fmt: skip
     g.add_argument("--device", default="cuda", help="cpu for a smoke run")
     g.add_argument("--limit", type=int, default=None, help="use the first N questions only")
     g.add_argument("--max-tokens", type=int, default=192)

@@ -15,7 +15,8 @@ the plain arms run without it too), gpu_memory_utilization 0.3 by default:
               (`codraft_load_draft` through collective_rpc, several versions);
 * `codraft-off` the same with the tap off;
 * `trained`   plain vLLM with `--draft DIR` (e.g. the draft co-trained online by
-              scripts/gpu_vllm/cotrain.py), and `trained-codraft` the same in codraft's engine.
+              scripts/gpu_vllm/cotrain.py; an EAGLE-3 or a DFlash draft, vLLM's method as the
+              folder says), and `trained-codraft` the same in codraft's engine.
 
 Every arm runs batches of 1, 8, 32, 64 greedy requests of `--max-tokens` tokens (ignore_eos)
 on distinct held-out questions (scripts/gpu_vllm/prompts.json.gz, chat template applied; the
@@ -258,8 +259,10 @@ def engine_kwargs_for(spec: ArmSpec, tap_endpoint: str | None) -> dict[str, Any]
         engine = kwargs["additional_config"][ADDITIONAL_CONFIG_KEY]
         engine.update(tap_assembly=spec.tap_assembly, tap_device_ring=spec.tap_device_ring)
     elif spec.draft:
+        from codraft.server.serve_config import draft_kind
+
         kwargs["speculative_config"] = {
-            "method": "eagle3",
+            "method": draft_kind(Path(spec.draft)),  # eagle3 or dflash, as the folder says
             "model": spec.draft,
             "num_speculative_tokens": spec.k,
         }
@@ -487,7 +490,9 @@ def load_prompt_list(path: str | None) -> tuple[list[str], bool, str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="codraft GPU serving benchmark (vLLM 0.26.0)")
     p.add_argument("--target", default="smollm2", help="'smollm2' or a model folder")
-    p.add_argument("--draft", default=None, help="trained EAGLE-3 draft folder (arm 'trained')")
+    p.add_argument(
+        "--draft", default=None, help="trained EAGLE-3 or DFlash draft folder (arm 'trained')"
+    )
     p.add_argument("--arms", default=None, help=f"of {','.join(ARMS)} (default: all that fit)")
     p.add_argument("--out", default="runs/gpu_bench")
     p.add_argument("--name", default="bench", help="report file names: <out>/<name>.json/.png")
