@@ -69,19 +69,32 @@ def _acceptance(client: CodraftClient) -> dict[int, float]:
     return acceptance_by_version(client.metrics())
 
 
+def _serve_args(target: Path, tmp_path: Path, port: int, cport: int, tap: int) -> list[str]:
+    return [
+        "serve", "--model", str(target), "--port", str(port),
+        "--control-port", str(cport), "--control-token", TOKEN,
+        "--tap-endpoint", f"tcp://127.0.0.1:{tap}", "--dtype", "float32",
+        "--max-model-len", "512", "--num-speculative-tokens", "3",
+        "--work-dir", str(tmp_path / "server"),
+        "--enforce-eager",  # compiled engines: test_server_engine.py; here, start-up time
+    ]  # fmt: skip
+
+
+def _assert_lossless(target: Path, tmp_path: Path, texts: list[str]) -> None:
+    """Every output (whole rounds of PROMPTS, in order) equals generation without
+    speculation (the same greedy requests)."""
+    ref = run_arm_subprocess(
+        ArmSpec(target=str(target), prompts=PROMPTS, max_tokens=MAX_TOKENS, max_model_len=512),
+        tmp_path / "arms",
+    )
+    for i, text in enumerate(texts):
+        assert text == ref.texts[i % len(PROMPTS)], f"prompt {i % len(PROMPTS)} differs"
+
+
 def test_online_loop(tiny_llama_dir: Path, tmp_path: Path) -> None:
     port, cport, tap = free_port(), free_port(), free_port()
-    server = _spawn(
-        [
-            "serve", "--model", str(tiny_llama_dir), "--port", str(port),
-            "--control-port", str(cport), "--control-token", TOKEN,
-            "--tap-endpoint", f"tcp://127.0.0.1:{tap}", "--dtype", "float32",
-            "--max-model-len", "512", "--num-speculative-tokens", "3",
-            "--work-dir", str(tmp_path / "server"),
-            "--enforce-eager",  # compiled engines: test_server_engine.py; here, start-up time
-        ],
-        tmp_path / "server.log",
-    )  # fmt: skip
+    args = _serve_args(tiny_llama_dir, tmp_path, port, cport, tap)
+    server = _spawn(args, tmp_path / "server.log")
     learn_args = [
         "learn", "--server", f"http://127.0.0.1:{cport}", "--tap", f"tcp://127.0.0.1:{tap}",
         "--target", str(tiny_llama_dir), "--out", str(tmp_path / "learner"), "--token", TOKEN,
@@ -131,16 +144,7 @@ def test_online_loop(tiny_llama_dir: Path, tmp_path: Path) -> None:
         if learner is not None:
             stop(learner)
         stop(server)
-    # lossless: every output equals generation without speculation (same greedy requests)
-    ref = run_arm_subprocess(
-        ArmSpec(target=str(tiny_llama_dir), prompts=PROMPTS, max_tokens=MAX_TOKENS,
-                max_model_len=512),
-        tmp_path / "arms",
-    )  # fmt: skip
-    for i, (text, _) in enumerate(first + final):
-        assert text == ref.texts[i % len(PROMPTS)], f"prompt {i % len(PROMPTS)} differs"
-    for i, text in enumerate(outputs):
-        assert text == ref.texts[i % len(PROMPTS)], f"prompt {i % len(PROMPTS)} differs"
+    _assert_lossless(tiny_llama_dir, tmp_path, [t for t, _ in first + final] + outputs)
     assert "HTTP/1.1 422" not in (tmp_path / "learner2.log").read_text()  # no refused request
 
 
@@ -150,16 +154,8 @@ def test_online_loop_with_a_dflash_draft(tiny_llama_dir: Path, tmp_path: Path) -
     a DFlash draft on them and publishes it, the server swaps it in; a learned version
     serves, accepts clearly more than the untrained one, and every output is unchanged."""
     port, cport, tap = free_port(), free_port(), free_port()
-    server = _spawn(
-        [
-            "serve", "--model", str(tiny_llama_dir), "--port", str(port), "--drafter", "dflash",
-            "--control-port", str(cport), "--control-token", TOKEN,
-            "--tap-endpoint", f"tcp://127.0.0.1:{tap}", "--dtype", "float32",
-            "--max-model-len", "512", "--num-speculative-tokens", "3",
-            "--work-dir", str(tmp_path / "server"), "--enforce-eager",
-        ],
-        tmp_path / "server.log",
-    )  # fmt: skip
+    args = [*_serve_args(tiny_llama_dir, tmp_path, port, cport, tap), "--drafter", "dflash"]
+    server = _spawn(args, tmp_path / "server.log")
     learner = None
     outputs: list[str] = []
     try:
@@ -195,10 +191,4 @@ def test_online_loop_with_a_dflash_draft(tiny_llama_dir: Path, tmp_path: Path) -
         if learner is not None:
             stop(learner)
         stop(server)
-    ref = run_arm_subprocess(
-        ArmSpec(target=str(tiny_llama_dir), prompts=PROMPTS, max_tokens=MAX_TOKENS,
-                max_model_len=512),
-        tmp_path / "arms",
-    )  # fmt: skip
-    for i, text in enumerate([t for t, _ in first + final] + outputs):
-        assert text == ref.texts[i % len(PROMPTS)], f"prompt {i % len(PROMPTS)} differs"
+    _assert_lossless(tiny_llama_dir, tmp_path, [t for t, _ in first + final] + outputs)
