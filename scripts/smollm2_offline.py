@@ -80,50 +80,64 @@ def stage_train(args: argparse.Namespace, target: Path, out: Path) -> None:
 
 
 def stage_eval(args: argparse.Namespace, target: Path, out: Path) -> dict:
+    """The offline estimate and vLLM's own count for each draft (`--draft A,B`: EAGLE-3 or
+    DFlash folders, measured in one run against one base arm), on the held-out prompts."""
     from codraft.draft.checkpoint import load_draft
+    from codraft.draft.dflash import DFlashDraft
     from codraft.learner.acceptance import estimate_acceptance
     from codraft.learner.teacher import Teacher, load_embedding
 
     answers = ArmResult.from_json(json.loads((out / "answers.json").read_text()))
-    if args.draft:  # a draft trained elsewhere (e.g. scripts/smollm2_gpu.py)
-        draft_dir = Path(args.draft)
+    if args.draft:  # drafts trained elsewhere (e.g. scripts/smollm2_gpu.py)
+        draft_dirs = [Path(d) for d in args.draft.split(",")]
     else:
-        draft_dir = out / "ckpt" / (out / "ckpt" / "latest").read_text().strip() / "draft"
-    draft, meta = load_draft(draft_dir)
-    draft.set_embedding(load_embedding(target))
+        draft_dirs = [out / "ckpt" / (out / "ckpt" / "latest").read_text().strip() / "draft"]
     teacher = Teacher.from_pretrained(target, recompute=True)
+    embedding = load_embedding(target)
     held = range(args.train, args.train + args.heldout)
     seqs = [
         (torch.tensor(answers.prompt_token_ids[i] + answers.token_ids[i]),
          len(answers.prompt_token_ids[i]))
         for i in held
     ]  # fmt: skip
-    est = estimate_acceptance(draft, teacher, seqs, k=args.k)
     prompts = [answers.spec.prompts[i] for i in held]
     common = dict(target=str(target), prompts=prompts, chat=True, max_tokens=args.max_tokens)
     base = run_arm_subprocess(ArmSpec(**common), out / "arms")
-    spec = run_arm_subprocess(
-        ArmSpec(**common, draft=str(draft_dir), num_speculative_tokens=args.k), out / "arms"
-    )
-    report = {
-        "draft": str(draft_dir),
-        "draft_version": meta.version,
-        "train_prompts": args.train,
-        "heldout_prompts": args.heldout,
-        "k": args.k,
-        "estimated_acceptance_length": est.acceptance_length,
-        "estimated_accepted_per_pos": est.accepted_per_pos,
-        "estimated_steps": est.steps,
-        "vllm_acceptance_length": spec.acceptance_length,
-        "vllm_accepted_per_pos": spec.accepted_per_pos,
-        "vllm_num_drafts": spec.num_drafts,
-        "baseline_tokens_per_s": base.tokens_per_s,
-        "spec_tokens_per_s": spec.tokens_per_s,
-        "speedup": spec.tokens_per_s / base.tokens_per_s,
-        "identical_outputs": sum(
-            a == b for a, b in zip(base.token_ids, spec.token_ids, strict=True)
-        ),
-    }
+    reports = []
+    for draft_dir in draft_dirs:
+        draft, meta = load_draft(draft_dir)
+        if isinstance(draft, DFlashDraft):  # the target's embedding and lm_head
+            draft.set_target_head(embedding, teacher.lm_head.weight.detach())
+        else:
+            draft.set_embedding(embedding)
+        est = estimate_acceptance(draft, teacher, seqs, k=args.k)
+        spec = run_arm_subprocess(
+            ArmSpec(**common, draft=str(draft_dir), num_speculative_tokens=args.k,
+                    method=draft.config.kind),
+            out / "arms",
+        )  # fmt: skip
+        reports.append({
+            "draft": str(draft_dir),
+            "drafter": draft.config.kind,
+            "draft_version": meta.version,
+            "draft_counters": meta.counters,
+            "train_prompts": args.train,
+            "heldout_prompts": args.heldout,
+            "k": args.k,
+            "estimated_acceptance_length": est.acceptance_length,
+            "estimated_accepted_per_pos": est.accepted_per_pos,
+            "estimated_steps": est.steps,
+            "vllm_acceptance_length": spec.acceptance_length,
+            "vllm_accepted_per_pos": spec.accepted_per_pos,
+            "vllm_num_drafts": spec.num_drafts,
+            "baseline_tokens_per_s": base.tokens_per_s,
+            "spec_tokens_per_s": spec.tokens_per_s,
+            "speedup": spec.tokens_per_s / base.tokens_per_s,
+            "identical_outputs": sum(
+                a == b for a, b in zip(base.token_ids, spec.token_ids, strict=True)
+            ),
+        })  # fmt: skip
+    report = reports[0] if len(reports) == 1 else {"drafts": reports}
     (Path(args.report) if args.report else out / "eval.json").write_text(
         json.dumps(report, indent=2)
     )
@@ -144,7 +158,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--draft-vocab", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--draft", default=None, help="eval: this draft folder instead of ckpt/latest")
+    p.add_argument(
+        "--draft", default=None, help="eval: these draft folders (comma) instead of ckpt/latest"
+    )
     p.add_argument("--report", default=None, help="eval: write the report here (default eval.json)")
     args = p.parse_args()
     out = Path(args.out).resolve()
