@@ -9,9 +9,10 @@ between engine steps, and its cost is the swap's cost.
 
 `stage_kernels` runs the same steps on a *shadow* of the live drafter: a copy of its module tree
 whose loadable layers get fresh parameters materialised from the metadata vLLM recorded when it
-built the model (`record_metadata_for_reloading`), loaded with the model's own `load_weights`
-and post-processed with the layers' own `process_weights_after_loading`. Modules shared with the
-target (the embedding) and layers without parameters of their own (attention, rotary tables)
+built the model (`record_metadata_for_reloading`; one the checkpoint does not hold keeps its
+live value), loaded with the model's own `load_weights` and post-processed with the layers' own
+`process_weights_after_loading`. Modules shared with the target (the embedding; DFlash's
+lm_head) and layers without parameters of their own (attention, rotary tables)
 are the live objects themselves and are never written. The result, a `KernelState`, holds per
 live layer the kernel-format tensors and the kernel attributes (`cpu_linear`). It is built in a
 background thread while the engine keeps stepping.
