@@ -14,6 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from codraft.control_token import resolve_control_token
+from codraft.drafters import DRAFTERS
 from codraft.learner.offline import OfflineConfig
 from codraft.learner.parallel.launch import ParallelConfig
 from codraft.learner.pipeline_trainer import PipelineTrainConfig
@@ -43,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=TrainConfig.num_passes, help="TTT passes")
     p.add_argument(
         "--drafter",
-        choices=("eagle3", "dflash"),
+        choices=DRAFTERS,
         default=TrainConfig.drafter,
         help="the draft to train: EAGLE-3 (TTT passes) or a DFlash block drafter; online "
         "(--server), the kind the server serves wins",

@@ -20,6 +20,7 @@ import torch
 from codraft.draft.checkpoint import DraftMeta
 from codraft.draft.init import new_draft
 from codraft.draft.model import Eagle3Draft
+from codraft.drafters import DRAFTERS
 from codraft.learner.attention.pass_attention import pass_attention
 from codraft.learner.checkpoints import CheckpointDir
 from codraft.learner.data.packing import PackedBatch
@@ -64,7 +65,7 @@ class TrainConfig:
     slot_decay: float | None = 4.0  # dflash: slot s's loss weighted exp(-(s - 1) / slot_decay)
 
     def __post_init__(self) -> None:
-        if self.drafter not in ("eagle3", "dflash"):
+        if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter must be 'eagle3' or 'dflash', got {self.drafter!r}")
 
     def teacher_torch_dtype(self, device: torch.device) -> torch.dtype:

@@ -87,12 +87,7 @@ def choose_draft(record: Path, start: Path) -> Path:
     newest one's files no longer check out, but never to a version above a later commit's: a
     draft the server rolled back from is not served again), when it is newer than `start` (the
     --draft folder or the untrained draft); else `start`."""
-    from codraft.draft.checkpoint import (
-        CONFIG_NAME,
-        DraftCheckpointError,
-        config_from_hf,
-        read_meta,
-    )
+    from codraft.draft.checkpoint import DraftCheckpointError, read_meta
 
     try:
         rec = json.loads(record.read_text())
@@ -103,9 +98,11 @@ def choose_draft(record: Path, start: Path) -> Path:
     except (OSError, ValueError) as e:
         log.warning("ignoring the committed-draft record %s: unreadable (%s)", record, e)
         return start
+    from codraft.server.serve_config import draft_kind
+
     try:  # a restart keeps the drafter kind it was started with
-        kind: str | None = config_from_hf(json.loads((start / CONFIG_NAME).read_text())).kind
-    except (OSError, ValueError, TypeError, KeyError):
+        kind: str | None = draft_kind(start)
+    except ValueError:
         kind = None
     found = None
     ceiling = None  # never above a later commit: a draft rolled back from stays rolled back

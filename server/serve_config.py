@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from codraft.control_token import TOKEN_ENV, check_token_sources, resolve_control_token
+from codraft.drafters import DRAFTERS
 
 log = logging.getLogger("codraft.serve")
 
 TOKEN_FLAGS = ("--control-token", "--control-token-file")
 TAP_MODES = ("full", "ids", "off")
-DRAFTERS = ("eagle3", "dflash")  # vLLM's speculative methods for codraft's two draft kinds
 
 
 @dataclass

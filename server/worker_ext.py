@@ -77,6 +77,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from codraft.drafters import DRAFTERS
 from codraft.server import cpu_sampling, hooks
 from codraft.server.acceptance import Acceptance, should_roll_back
 from codraft.server.capture import Capture, StepContext, TapTarget
@@ -101,7 +102,6 @@ from codraft.server.weights import (
 from codraft.tap.message import DTYPES
 
 log = logging.getLogger(__name__)
-METHODS = ("eagle3", "dflash")  # speculative methods whose drafts codraft swaps and trains
 
 
 def _error(status: int, message: str) -> dict[str, Any]:
@@ -230,7 +230,7 @@ class CodraftEngine(StepListener):
 
     def _check_engine(self) -> None:
         spec = self.vllm_config.speculative_config
-        if spec is None or spec.method not in METHODS:
+        if spec is None or spec.method not in DRAFTERS:
             raise SwapError(
                 503,
                 f"codraft needs EAGLE-3 or DFlash speculative decoding, found "

@@ -14,6 +14,7 @@ from codraft.draft.dflash import DFlashDraft
 from codraft.draft.dflash_config import DFlashConfig, dflash_tap_layers
 from codraft.draft.model import Eagle3Draft
 from codraft.draft.vocab import build_draft_vocab
+from codraft.drafters import DRAFTERS
 from codraft.models.config import TargetConfig
 
 
@@ -58,9 +59,6 @@ def new_dflash_draft(
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return DFlashDraft(cfg)
-
-
-DRAFTERS = ("eagle3", "dflash")
 
 
 def write_new_draft(
