@@ -38,6 +38,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "codraft.atomic",
         "codraft.control_token",
         "codraft.draft",
+        "codraft.drafters",
         "codraft.models",
         "codraft.prepare",
         "codraft.prompts",
