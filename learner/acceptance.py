@@ -13,7 +13,10 @@ vLLM reports as 1 + accepted / drafts).
 A DFlash draft proposes its k tokens at once: at anchor i its block holds x[i+1] and k mask
 slots at positions i+2.., over the context x[..i], and slot d proposes x[i+d+1]. A proposal
 counts only when the slots before it won too (the walk stops at the first miss), so the block of
-the training forward at anchor i is exactly the one vLLM would draft there.
+the training forward at anchor i is exactly the one vLLM would draft there. A DSpark draft's
+block holds x[i+1] and noise at positions i+1.., and slot d - 1 proposes x[i+d+1] with the
+Markov bias of the token before it: vLLM's own proposal there while the walk goes on, the true
+token x[i+d] in the teacher-forced forward, the same token whenever the proposal counts.
 """
 
 from __future__ import annotations
@@ -95,27 +98,30 @@ def _chain_hits(draft: Eagle3Draft, packed: PackedBatch, k: int) -> torch.Tensor
 
 
 def _block_hits(draft: DFlashDraft, packed: PackedBatch, k: int, chunk: int = 1024) -> torch.Tensor:
-    """hits [k, n]: slot d of the block anchored after position i proposes x[i+d+1] (the
+    """hits [k, n]: proposal d of the block anchored after position i proposes x[i+d+1] (the
     logits a chunk of rows at a time: the head is the target's whole vocabulary)."""
-    if k >= draft.config.block_size:
-        raise ValueError(
-            f"k={k} proposals need {k + 1} slots, the DFlash draft's blocks have "
-            f"{draft.config.block_size}: estimate with k <= {draft.config.block_size - 1}"
-        )
     ids, cu = packed.input_ids, packed.cu_seqlens
+    have = draft.config.block_size - (0 if draft.config.kind == "dspark" else 1)
+    if k > have:
+        raise ValueError(
+            f"k={k} proposals, but the {draft.config.kind} draft's blocks of "
+            f"{draft.config.block_size} make {have}: estimate with k <= {have}"
+        )
 
     def attn(q, kc, vc, kb, vb):
         return block_draft_attention(q, kc, vc, kb, vb, cu)
 
     h, source = draft.hidden(ids, packed.taps, cu, attn)
+    h, predicted = draft.proposals(h, source, cu)
     n = ids.shape[0]
     hits = torch.zeros(k, n, dtype=torch.bool, device=ids.device)
-    for d in range(1, k + 1):
-        src = source[d]
+    for d in range(k):
         for a in range(0, n, chunk):
-            pred = draft.logits(h[d, a : a + chunk]).argmax(-1)
-            want = ids[src[a : a + chunk].clamp(min=0)]
-            hits[d - 1, a : a + chunk] = (src[a : a + chunk] >= 0) & (pred == want)
+            at = predicted[d, a : a + chunk]
+            want = ids[at.clamp(min=0)]
+            previous = ids[(at - 1).clamp(min=0)]
+            pred = draft.readout(h[d, a : a + chunk], previous).argmax(-1)
+            hits[d, a : a + chunk] = (at >= 0) & (pred == want)
     return hits
 
 

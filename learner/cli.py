@@ -46,11 +46,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--drafter",
         choices=DRAFTERS,
         default=TrainConfig.drafter,
-        help="the draft to train: EAGLE-3 (TTT passes) or a DFlash block drafter; online "
-        "(--server), the kind the server serves wins",
+        help="the draft to train: EAGLE-3 (TTT passes), a DFlash block drafter, or DSpark "
+        "(DFlash's backbone and a Markov head; offline only); online (--server), the kind the "
+        "server serves wins",
     )
     p.add_argument(
-        "--block-size", type=int, default=TrainConfig.block_size, help="dflash: slots a block"
+        "--block-size",
+        type=int,
+        default=TrainConfig.block_size,
+        help="dflash: slots a block (anchor + proposals); dspark: queries and proposals a block",
     )
     p.add_argument(
         "--dflash-layers", type=int, default=TrainConfig.dflash_layers, help="dflash: layers"
@@ -66,6 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=TrainConfig.slot_decay,
         help="dflash: slot s's loss weight is exp(-(s-1)/this); 0 weighs every slot alike",
+    )
+    p.add_argument(
+        "--markov-rank",
+        type=int,
+        default=TrainConfig.markov_rank,
+        help="dspark: the rank of the Markov head (its bias is markov_w2 @ markov_w1[token])",
     )
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--token-budget", type=int, default=TrainConfig.token_budget)
@@ -103,6 +113,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--http-port", type=int, default=9100, help="online /health, /metrics (0: off)")
     p.add_argument("--recompute", action="store_true", help="run the target here for features")
+    p.add_argument(
+        "--tap-layers",
+        default=None,
+        help="a new draft's tap layers, comma-separated (default: EAGLE-3 (2, L//2, L-3), "
+        "DFlash/DSpark spread over the target); recorded taps must be at these layers unless "
+        "--recompute",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
     p.add_argument(
@@ -134,6 +151,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------ options -> configs
+def _tap_layers(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise SystemExit(
+            f"codraft learn: --tap-layers wants layer numbers separated by commas, such as "
+            f"2,15,27; got {text!r}"
+        ) from None
+
+
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The trainer's settings; offline (a set number of steps) the schedule spans the run."""
     offline = {}
@@ -147,6 +176,8 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
         dflash_layers=args.dflash_layers,
         mask_token_id=args.mask_token,
         slot_decay=args.slot_decay or None,
+        markov_rank=args.markov_rank,
+        tap_layers=_tap_layers(args.tap_layers),
         token_budget=args.token_budget,
         draft_vocab_size=args.draft_vocab,
         loss_chunk_tokens=args.loss_chunk,
@@ -215,10 +246,15 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=fmt)
     if bool(args.from_dir) == bool(args.server):
         raise SystemExit("codraft learn: give exactly one of --from-dir DIR or --server URL")
-    if args.drafter == "dflash" and args.pp > 1:
+    if args.drafter in ("dflash", "dspark") and args.pp > 1:
         raise SystemExit(
-            "codraft learn: --drafter dflash trains in one pipeline stage: drop --pp (online, "
-            "the learner trains the kind of draft the server serves)"
+            f"codraft learn: --drafter {args.drafter} trains in one pipeline stage: drop --pp "
+            "(online, the learner trains the kind of draft the server serves)"
+        )
+    if args.drafter == "dspark" and args.server:
+        raise SystemExit(
+            "codraft learn: --drafter dspark trains offline only (--from-dir): codraft serve "
+            "does not serve DSpark drafts, so no server streams taps for one"
         )
     if args.pp > 1 and args.from_dir:
         from codraft.learner.pipeline_trainer import train_pipeline

@@ -1,5 +1,5 @@
-"""The trainer of a DFlash block drafter: the Trainer's schedule, optimizer, checkpoints and
-resume, with a block step instead of TTT passes.
+"""The trainer of a block drafter (DFlash, DSpark): the Trainer's schedule, optimizer,
+checkpoints and resume, with a block step instead of TTT passes.
 
 One step over a packed batch: every row is a block (`codraft.learner.attention.block_draft`),
 the draft runs once over all of them, and the loss (`codraft.learner.block_draft_loss`) is
@@ -34,13 +34,14 @@ class DFlashTrainer(Trainer):
         super().__init__(*args, **kwargs)
 
     def new_draft(self, token_counts: torch.Tensor | None) -> DFlashDraft:
-        """A fresh DFlash draft for the target (token counts are not used: it reads out
-        with the target's whole vocabulary)."""
+        """A fresh DFlash (or DSpark) draft for the target (token counts are not used: it
+        reads out with the target's whole vocabulary)."""
         cfg = self.cfg
         return new_dflash_draft(
             self.target_config, mask_token_id=cfg.mask_token_id,
             num_hidden_layers=cfg.dflash_layers, block_size=cfg.block_size,
             tap_layers=cfg.tap_layers, dtype="float32", seed=cfg.seed,
+            markov_rank=cfg.markov_rank if cfg.drafter == "dspark" else None,
         )  # fmt: skip
 
     def attach_target(self, embedding: torch.Tensor) -> None:
@@ -75,10 +76,11 @@ class DFlashTrainer(Trainer):
 
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16):
             h, source = self.draft.hidden(batch.input_ids, batch.taps, cu, attn)
+            h, predicted = self.draft.proposals(h, source, cu)
             out = block_draft_loss(
-                h, self.draft.norm, self.draft.head_weight(), source, batch.input_ids,
+                h, self.draft.norm, self.draft.head_weight(), predicted, batch.input_ids,
                 batch.loss_mask.bool(), teacher_logits=teacher, gamma=cfg.slot_decay,
-                chunk=cfg.loss_chunk_tokens,
+                chunk=cfg.loss_chunk_tokens, markov=self.draft.markov_features,
             )  # fmt: skip
         out.loss.backward()
         grad_norm = self.end_step(int(batch.valid.sum()))
@@ -95,10 +97,10 @@ class DFlashTrainer(Trainer):
 
 def make_trainer(*args: Any, **kwargs: Any) -> Trainer:
     """The trainer for the given draft's kind (else `config.drafter`): `Trainer` (EAGLE-3) or
-    `DFlashTrainer`; the same arguments as `Trainer`."""
+    `DFlashTrainer` (DFlash, DSpark); the same arguments as `Trainer`."""
     config = kwargs.get("config", args[2] if len(args) > 2 else None)
     draft = kwargs.get("draft")
     kind = draft.config.kind if draft is not None else getattr(config, "drafter", "eagle3")
-    if kind == "dflash":
+    if kind in ("dflash", "dspark"):
         return DFlashTrainer(*args, **kwargs)
     return Trainer(*args, **kwargs)

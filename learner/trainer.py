@@ -58,15 +58,19 @@ class TrainConfig:
     keep_checkpoints: int = 3
     seed: int = 0
     recompute: bool = False  # run the target here (ids-only data) instead of streamed features
-    drafter: str = "eagle3"  # "eagle3" (TTT passes) or "dflash" (a block drafter)
-    block_size: int = 8  # dflash: slots per block (the anchor and block_size - 1 proposals)
+    drafter: str = "eagle3"  # "eagle3" (TTT passes), "dflash" or "dspark" (block drafters)
+    # dflash: slots per block (the anchor and block_size - 1 proposals); dspark: queries per
+    # block, each proposing the token after it (block_size proposals)
+    block_size: int = 8
     dflash_layers: int = 2  # dflash: draft decoder layers
     mask_token_id: int = 0  # dflash: the token id of every mask slot (a target vocabulary id)
-    slot_decay: float | None = 4.0  # dflash: slot s's loss weighted exp(-(s - 1) / slot_decay)
+    # dflash, dspark: proposal d's loss weighted exp(-(d - 1) / slot_decay)
+    slot_decay: float | None = 4.0
+    markov_rank: int = 64  # dspark: the rank of the Markov head's transition bias
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
-            raise ValueError(f"drafter must be 'eagle3' or 'dflash', got {self.drafter!r}")
+            raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
 
     def teacher_torch_dtype(self, device: torch.device) -> torch.dtype:
         """`teacher_dtype` resolved for a step on `device`."""

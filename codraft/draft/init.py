@@ -1,9 +1,10 @@
 """A new (untrained) draft for a target, geometry from the target: EAGLE-3 (vocab from token
-counts) or DFlash (the target's whole vocabulary)."""
+counts), DFlash or DSpark (the target's whole vocabulary)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -12,6 +13,8 @@ from codraft.draft.checkpoint import DraftMeta, save_draft
 from codraft.draft.config import DraftConfig
 from codraft.draft.dflash import DFlashDraft
 from codraft.draft.dflash_config import DFlashConfig, dflash_tap_layers
+from codraft.draft.dspark import DSparkDraft
+from codraft.draft.dspark_config import DSparkConfig
 from codraft.draft.model import Eagle3Draft
 from codraft.draft.vocab import build_draft_vocab
 from codraft.drafters import DRAFTERS
@@ -49,15 +52,21 @@ def new_dflash_draft(
     tap_layers: Sequence[int] | None = None,
     dtype: str = "float32",
     seed: int = 0,
+    markov_rank: int | None = None,
 ) -> DFlashDraft:
-    """A freshly initialised DFlash draft; taps default to `dflash_tap_layers(L)`."""
-    cfg = DFlashConfig.from_target(
+    """A freshly initialised DFlash draft, or with `markov_rank` a DSpark draft (a DFlash
+    backbone of `block_size` queries and a Markov head of that rank); taps default to
+    `dflash_tap_layers(L)`."""
+    cls = DFlashConfig if markov_rank is None else DSparkConfig
+    cfg = cls.from_target(
         target, mask_token_id=mask_token_id, num_hidden_layers=num_hidden_layers,
         block_size=block_size,
         tap_layers=tap_layers or dflash_tap_layers(target.num_hidden_layers), dtype=dtype,
     )  # fmt: skip
     with torch.random.fork_rng():
         torch.manual_seed(seed)
+        if isinstance(cfg, DSparkConfig):
+            return DSparkDraft(replace(cfg, markov_rank=markov_rank))
         return DFlashDraft(cfg)
 
 
@@ -72,7 +81,7 @@ def write_new_draft(
     drafter: str = "eagle3",
     **kwargs,
 ) -> Path:
-    """`new_draft` (or, with drafter "dflash", `new_dflash_draft`) for the target folder
+    """`new_draft` (or, with drafter "dflash" or "dspark", `new_dflash_draft`) for the target folder
     `target_dir`, saved as checkpoint `out_dir`. `target_config`: the folder's parsed
     config.json, when the caller has read it already."""
     target = (
@@ -80,9 +89,11 @@ def write_new_draft(
     )
     if drafter not in DRAFTERS:
         raise ValueError(f"drafter must be one of {DRAFTERS}, got {drafter!r}")
-    if drafter == "dflash":
+    if drafter in ("dflash", "dspark"):
         if token_counts is not None:
-            raise ValueError("a DFlash draft reads out with the whole vocabulary: no counts")
+            raise ValueError(f"a {drafter} draft reads out with the whole vocabulary: no counts")
+        if drafter == "dspark":
+            kwargs.setdefault("markov_rank", DSparkConfig.markov_rank)
         model: Eagle3Draft | DFlashDraft = new_dflash_draft(target, **kwargs)
     else:
         model = new_draft(target, token_counts, **kwargs)

@@ -262,7 +262,7 @@ def engine_kwargs_for(spec: ArmSpec, tap_endpoint: str | None) -> dict[str, Any]
         from codraft.server.serve_config import draft_kind
 
         kwargs["speculative_config"] = {
-            "method": draft_kind(Path(spec.draft)),  # eagle3 or dflash, as the folder says
+            "method": draft_kind(Path(spec.draft)),  # eagle3, dflash or dspark, as the folder says
             "model": spec.draft,
             "num_speculative_tokens": spec.k,
         }

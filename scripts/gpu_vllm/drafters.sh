@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# EAGLE-3 against DFlash on SmolLM2-135M, one H200, at one training-token budget.
+# EAGLE-3 against DFlash (and DSpark) on SmolLM2-135M, one H200, at one training-token budget.
 #
 #   bash scripts/gpu_vllm/drafters.sh train "$OUT"   # answers + both drafters trained (~8 min)
 #   bash scripts/gpu_vllm/drafters.sh bench "$OUT"   # vLLM 0.26: base / EAGLE-3 / DFlash arms
@@ -9,10 +9,13 @@
 # --recompute` for DFlash and then EAGLE-3 with the same steps of the same --token-budget
 # tokens (the second drafter gets exactly the steps the first reached). The bf16 drafts go to
 # $OUT/dflash and $OUT/eagle3 (weights over 15 MiB in pieces) and stay in runs/gpu_work.
-# bench: bench_serving.py twice in one call (base + EAGLE-3 arm, then the DFlash arm; vLLM's default engine: compiled,
-# CUDA graphs, async scheduling), once per draft, batches 1/8/32/64, 128 tokens, k = 3.
+# bench: bench_serving.py once per draft in one call (base + the first drafter's arm, then one
+# arm per other drafter; vLLM's default engine: compiled, CUDA graphs, async scheduling),
+# batches 1/8/32/64, 128 tokens, k = 3. DRAFTERS (default dflash,eagle3; first = the budget
+# setter) picks the drafters, e.g. DRAFTERS=dflash,dspark,eagle3.
 # Needs the lean vLLM set installed (install.sh; run_all.sh --phases install).
 set -euo pipefail
+DRAFTERS=${DRAFTERS:-dflash,eagle3}
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 STAGE=$1
 OUT=$2
@@ -25,18 +28,20 @@ mkdir -p "$OUT" "$WORK"
 case $STAGE in
 train)
     $PY scripts/smollm2_gpu.py gpu --prompts runs/smollm2_gpu/prompts.json --work $WORK/sg \
-        --export $WORK/drafters --drafters dflash,eagle3 --limit "${LIMIT:-3000}" \
+        --export $WORK/drafters --drafters "$DRAFTERS" --limit "${LIMIT:-3000}" \
         --steps "${STEPS:-200}" --train-seconds "${TRAIN_S:-170}" --save-every 50 \
         --token-budget 16384 --same-budget --reuse-answers 2>&1 | tee $WORK/train.log
-    for d in dflash eagle3; do [ -d $WORK/drafters/$d ] && cp -r $WORK/drafters/$d "$OUT"/; done
+    for d in ${DRAFTERS//,/ }; do [ -d $WORK/drafters/$d ] && cp -r $WORK/drafters/$d "$OUT"/; done
     cp $WORK/drafters/smollm2_gpu_train.json "$OUT"/
     ;;
 bench)
-    for d in eagle3 dflash; do
+    first=1
+    for d in ${DRAFTERS//,/ }; do
         rm -rf $WORK/drafters/$d/whole && mkdir $WORK/drafters/$d/whole
         cp $WORK/drafters/$d/config.json $WORK/drafters/$d/codraft.json $WORK/drafters/$d/whole/
         cat $WORK/drafters/$d/model.safetensors* > $WORK/drafters/$d/whole/model.safetensors
-        arms=trained && [ $d = eagle3 ] && arms=base,trained  # one base arm for both
+        arms=trained && [ $first = 1 ] && arms=base,trained  # one base arm for all
+        first=0
         $PY scripts/gpu_vllm/bench_serving.py --out "$OUT" --name "bench_$d" \
             --arms $arms --draft $WORK/drafters/$d/whole --arm-timeout 240
     done
