@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
@@ -152,16 +153,19 @@ class TapReply(_Reply):
 
 
 _STATUS_TEXT = {
+    400: "the engine refused the request's content (weight sync)",
     401: "no or a wrong bearer token",
     403: "the path lies outside the checkpoint root",
     404: "no such checkpoint (or nothing staged)",
-    409: "not newer than the serving version, or no previous draft",
+    409: "not newer than the serving version, no previous draft, or out of turn with a "
+    "weight-transfer session",
     413: "request body over the limit",
     422: "malformed body, or a checkpoint that fails its checks",
     500: "loaded, but a step after the load failed",
     502: "the engine's reply was unusable",
     503: "the engine is dead, or another swap holds the lock too long",
     504: "the engine did not answer in time",
+    501: "the weight-transfer backend cannot run on this build (vLLM's CPU build)",
 }
 
 
@@ -476,6 +480,12 @@ class ControlRoute(APIRoute):
                 return await handler(request)
             except ControlError as e:
                 return await control_error_response(request, e)
+            except RequestValidationError as e:  # query parameters (bodies: read_body)
+                problems = "; ".join(
+                    f"{_loc(err)}: {err['msg']} (got {str(err.get('input'))[:80]!r})"
+                    for err in e.errors()
+                )
+                return await control_error_response(request, ControlError(422, problems))
 
         return answer
 
@@ -618,9 +628,10 @@ def probe_router(control: EngineControl, paths: Iterable[str] = ("/health", "/re
     return r
 
 
-def document_security(app: FastAPI, token: str | None) -> None:
+def document_security(app: FastAPI, token: str | None, extra_paths: Iterable[str] = ()) -> None:
     """With a token configured, the OpenAPI schema names the bearer scheme on every control
-    route (so that clients and API fuzzers send it, and can check it is enforced)."""
+    route and on `extra_paths` (so that clients and API fuzzers send it, and can check it is
+    enforced)."""
     if token is None:
         return
     build = app.openapi
@@ -631,7 +642,7 @@ def document_security(app: FastAPI, token: str | None) -> None:
             schema.setdefault("components", {})["securitySchemes"] = {
                 "controlToken": {"type": "http", "scheme": "bearer"}
             }
-            for path in CONTROL_PATHS:
+            for path in (*CONTROL_PATHS, *extra_paths):
                 for operation in schema.get("paths", {}).get(path, {}).values():
                     operation["security"] = [{"controlToken": []}]
             app.openapi_schema = schema

@@ -269,15 +269,23 @@ def stage_kernels(
     return KernelState(state, timing, derived)
 
 
-def snapshot_live(drafter_model: nn.Module, target_model: nn.Module) -> KernelState:
-    """The live drafter's kernel state (tensors cloned), to install again on rollback."""
+def snapshot_live(
+    drafter_model: nn.Module, target_model: nn.Module, device: str | torch.device | None = None
+) -> KernelState:
+    """The live drafter's kernel state (tensors cloned, onto `device` if given: the host for
+    a copy that must outlive the device's memory), to install again on rollback."""
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        return t.clone() if device is None else t.to(device, copy=True)
+
     shared = _shared_ids(drafter_model, target_model)
     state = []
     for layer in _loadable_layers(drafter_model, shared):
-        tensors = {n: t.detach().clone() for n, t in _own_tensors(layer).items() if t.numel()}
+        tensors = {n: copy(t) for n, t in _own_tensors(layer).items() if t.numel()}
         attrs = {a: layer.__dict__[a] for a in KERNEL_ATTRS if a in layer.__dict__}
         state.append(LayerKernels(layer, tensors, attrs))
-    derived = [(m, a, t.detach().clone()) for m, a, t in derived_tensors(drafter_model)]
+    derived = [(m, a, copy(t)) for m, a, t in derived_tensors(drafter_model)]
     return KernelState(state, derived=derived)
 
 

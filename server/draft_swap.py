@@ -312,6 +312,12 @@ class DraftSwapper:
         self.previous, self.current = self.current, slot
         self.highest = max(self.highest, slot.version)
 
+    def adopt(self, slot: DraftSlot, previous: DraftSlot) -> None:
+        """Make `slot` current without writing it (its weights are already live: a weight
+        transfer wrote them), `previous` the one a rollback installs."""
+        self.previous, self.current = previous, slot
+        self.highest = max(self.highest, slot.version)
+
     def _write(self, slot: DraftSlot, restore: DraftSlot) -> None:
         try:
             self._write_one(slot)

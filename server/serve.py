@@ -53,6 +53,7 @@ from codraft.server.serve_config import (
     resolve_model,
     vllm_argv,
 )
+from codraft.server.weight_sync import SYNC_PATHS, install_weight_sync
 
 log = logging.getLogger("codraft.serve")
 
@@ -149,17 +150,22 @@ class VersionHeaders:
 
 
 # ----------------------------------------------------------------------------- apps
-def build_control_app(control: EngineControl, token: str | None, metrics: Any) -> Any:
-    """The control routes, /health, /ready and /metrics: served on --control-port, or reached
-    through `Dispatch` on the OpenAI port."""
+def build_control_app(
+    control: EngineControl, token: str | None, metrics: Any, weight_transfer: str | None = None
+) -> Any:
+    """The control routes, /health, /ready and /metrics (and with `weight_transfer`, vLLM's RL
+    weight-sync routes): served on --control-port, or reached through `Dispatch` on the OpenAI
+    port."""
     from fastapi import FastAPI
 
     from codraft.server.metrics import install_metrics
 
     app = FastAPI(title="codraft control", docs_url=None, redoc_url=None)  # /openapi.json
     install_control(app, control, token, probes=("/health", "/ready"))
+    if weight_transfer is not None:
+        install_weight_sync(app, control, token, weight_transfer)
     install_metrics(app, metrics)
-    document_security(app, token)
+    document_security(app, token, extra_paths=SYNC_PATHS if weight_transfer else ())
     return app
 
 
@@ -233,11 +239,12 @@ async def serve(cfg: ServeConfig, args: argparse.Namespace, token: str | None) -
         tasks = await engine.get_supported_tasks()
         app = api.build_app(args, tasks, engine.model_config)
         await api.init_app_state(engine, app.state, args, tasks)
-        capp = build_control_app(control, token, metrics)
+        capp = build_control_app(control, token, metrics, cfg.weight_transfer)
         # The OpenAI port: vLLM's app with codraft's /metrics, /ready and, without a control
-        # port, the control routes; the version headers around it all.
+        # port, the control routes (and the weight-sync ones); the version headers around it.
         install_metrics(app, metrics)
-        here = {"/ready"} | (set(CONTROL_PATHS) if csock is None else set())
+        routes = set(CONTROL_PATHS) | (set(SYNC_PATHS) if cfg.weight_transfer else set())
+        here = {"/ready"} | (routes if csock is None else set())
         add_outer_middleware(app, Dispatch, side=capp, paths=frozenset(here))
         add_outer_middleware(app, VersionHeaders, control=control)
         add_outer_middleware(app, SeedGuard, enabled=seeded_requests_crash())

@@ -24,6 +24,7 @@ log = logging.getLogger("codraft.serve")
 
 TOKEN_FLAGS = ("--control-token", "--control-token-file")
 TAP_MODES = ("full", "ids", "off")
+WEIGHT_TRANSFER = ("ipc", "nccl")  # vLLM's backends codraft serves the routes of
 
 
 @dataclass
@@ -49,6 +50,8 @@ class ServeConfig:
     work_dir: str = "runs/serve"  # a draft built here, the committed-draft record
     checkpoint_root: str | None = None  # if set, POSTed draft/policy paths must lie inside it
     resume_draft: bool = True  # a restart serves the newest committed draft (server.committed)
+    # serve vLLM's RL weight-sync routes (codraft.server.weight_sync) with this backend
+    weight_transfer: str | None = None  # None | "ipc" | "nccl"
     worker_extension_cls: str = "codraft.server.worker_ext.CodraftWorkerExtension"
     vllm_args: list[str] = field(default_factory=list)  # passed through to vLLM
 
@@ -61,6 +64,10 @@ class ServeConfig:
             raise ValueError(
                 f"drafter must be one of {SERVED_DRAFTERS}, got {self.drafter!r}"
                 + (f": {DSPARK_NOT_SERVED}" if self.drafter == "dspark" else "")
+            )
+        if self.weight_transfer is not None and self.weight_transfer not in WEIGHT_TRANSFER:
+            raise ValueError(
+                f"weight_transfer must be one of {WEIGHT_TRANSFER}, got {self.weight_transfer!r}"
             )
         if self.tap_mode not in TAP_MODES:
             raise ValueError(f"tap_mode must be one of {TAP_MODES}, got {self.tap_mode!r}")
@@ -146,6 +153,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=d.resume_draft,
         help="serve the newest draft this server committed before it stopped, when newer than "
         "--draft (recorded under --work-dir)",
+    )
+    p.add_argument(
+        "--weight-transfer",
+        default=None,
+        choices=WEIGHT_TRANSFER,
+        help="serve vLLM's RL weight-sync routes (/init_weight_transfer_engine, "
+        "/start_weight_update, ..., /sleep, /wake_up) behind the control token, with this "
+        "vLLM weight-transfer backend (docs/rl.md)",
     )
     p.add_argument("--worker-extension-cls", default=d.worker_extension_cls, help=argparse.SUPPRESS)
 
@@ -289,7 +304,9 @@ def vllm_argv(cfg: ServeConfig, model: Path, draft: Path) -> list[str]:
     arguments turn it on: a prefix-cache hit skips the prompt's forward pass, so the request's
     features could not be captured (the engine counts it in requests_incomplete instead).
     """
-    for flag in ("--speculative-config", "--worker-extension-cls", "--model"):
+    for flag in (
+        "--speculative-config", "--worker-extension-cls", "--model", "--weight-transfer-config"
+    ):  # fmt: skip
         if any(a == flag or a.startswith(flag + "=") for a in cfg.vllm_args):
             raise ValueError(f"{flag} is set by codraft serve; remove it from the extra arguments")
     passthrough, extra_json = _pop_flag(list(cfg.vllm_args), "--additional-config")
@@ -315,6 +332,8 @@ def vllm_argv(cfg: ServeConfig, model: Path, draft: Path) -> list[str]:
     ]  # fmt: skip
     if cfg.max_model_len is not None:
         argv += ["--max-model-len", str(cfg.max_model_len)]
+    if cfg.weight_transfer is not None:
+        argv += ["--weight-transfer-config", json.dumps({"backend": cfg.weight_transfer})]
     if cfg.tap_mode == "full" and not _has_flag(
         passthrough, "--enable-prefix-caching", "--no-enable-prefix-caching"
     ):

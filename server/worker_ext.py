@@ -88,6 +88,7 @@ from codraft.server.engine_config import EngineConfig, check_endpoint, check_sam
 from codraft.server.hooks import RunnerHooks, StepListener, StepRecord
 from codraft.server.publisher import PublisherStats, TapPublisher, sampled
 from codraft.server.tap_process import RemotePublisher, TapProcess
+from codraft.server.transfer import TRANSFERRED, Transfers
 from codraft.server.weights import (
     DraftSlot,
     PolicySlot,
@@ -164,6 +165,7 @@ class CodraftEngine(StepListener):
             )
         taps = tuple(self.current.config.tap_layers)
         self.policy = PolicySlot(0, self.serving["path"], utc_now())
+        self.transfers = Transfers()  # vLLM weight-transfer sessions, sleep (server.transfer)
         self.acceptance = Acceptance(self.cfg.rollback_window)
         self.reference_rate: float | None = None
         self.proposer_version = self.current.version
@@ -334,7 +336,8 @@ class CodraftEngine(StepListener):
             )
 
     def run_pending(self) -> None:
-        if self.pending_rollback is not None:
+        # an automatic rollback waits for an open weight transfer (it would write the draft)
+        if self.pending_rollback is not None and self.transfers.session is None:
             reason, self.pending_rollback = self.pending_rollback, None
             if self.previous is not None:
                 self.rollback(reason, auto=True)
@@ -395,6 +398,7 @@ class CodraftEngine(StepListener):
             "draft": draft,
             "policy": self.policy.info(),
             "tap": self.tap_info(),
+            "transfer": self.transfers.info(),
             "vllm_version": self.vllm_version,
         }
 
@@ -443,6 +447,7 @@ class CodraftEngine(StepListener):
 
     def load_policy(self, path: Any, version: Any) -> dict[str, Any]:
         path, version = _str_arg("path", path), _int_arg("version", version)
+        self.transfers.refuse_while_open("a policy load")
         if version <= self.policy.version:
             raise SwapError(
                 409,
@@ -455,6 +460,8 @@ class CodraftEngine(StepListener):
         except Exception as e:
             log.exception("codraft: policy reload failed; restoring %s", self.policy.path)
             try:
+                if self.policy.path == TRANSFERRED:
+                    raise ValueError("the serving policy arrived by weight transfer: no folder")
                 old_files = folder_layout(Path(self.policy.path))[0]
                 write_policy_weights(self.runner, self.vllm_config, old_files)
             except Exception as e2:
@@ -554,24 +561,41 @@ class CodraftWorkerExtension:
         return self._codraft_call(lambda e: e.info())
 
     def codraft_load_draft(self, path: str, version: int, sha256: str | None = None) -> dict:
-        return self._codraft_call(lambda e: e.swapped(e.swapper.load(path, version, sha256)))
+        return self._codraft_swap(lambda e: e.swapped(e.swapper.load(path, version, sha256)))
 
     def codraft_prepare_draft(
         self, path: str, version: int | None = None, sha256: str | None = None
     ) -> dict[str, Any]:
-        return self._codraft_call(lambda e: e.swapper.prepare(path, version, sha256))
+        return self._codraft_swap(lambda e: e.swapper.prepare(path, version, sha256))
 
     def codraft_commit_draft(self, ticket: str) -> dict[str, Any]:
-        return self._codraft_call(lambda e: e.swapped(e.swapper.commit(ticket)))
+        return self._codraft_swap(lambda e: e.swapped(e.swapper.commit(ticket)))
 
     def codraft_swap_draft(self, path: str, version: int, sha256: str | None = None) -> dict:
-        return self._codraft_call(lambda e: e.swapped(e.swapper.swap(path, version, sha256)))
+        return self._codraft_swap(lambda e: e.swapped(e.swapper.swap(path, version, sha256)))
 
     def codraft_staged_draft(self) -> dict[str, Any]:
         return self._codraft_call(lambda e: e.swapper.staged())
 
     def codraft_rollback_draft(self, reason: str = "manual") -> dict[str, Any]:
-        return self._codraft_call(lambda e: e.rollback(f"manual: {reason}"))
+        return self._codraft_swap(lambda e: e.rollback(f"manual: {reason}"))
+
+    def codraft_transfer_begin(self, kind: str) -> dict[str, Any]:
+        return self._codraft_call(lambda e: e.transfers.begin(e, kind))
+
+    def codraft_transfer_check(self, kind: str, version: int | None = None) -> dict[str, Any]:
+        return self._codraft_call(
+            lambda e: {"ok": True, "version": e.transfers.next_version(e, kind, version)}
+        )
+
+    def codraft_transfer_end(self, ok: bool, version: int | None = None) -> dict[str, Any]:
+        return self._codraft_call(lambda e: e.transfers.end(e, ok, version))
+
+    def codraft_sleep(self, level: int) -> dict[str, Any]:
+        return self._codraft_call(lambda e: e.transfers.sleep(e, level))
+
+    def codraft_wake(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return self._codraft_call(lambda e: e.transfers.wake(e, tags))
 
     def codraft_load_policy(self, path: str, version: int) -> dict[str, Any]:
         return self._codraft_call(lambda e: e.load_policy(path, version))
@@ -592,6 +616,15 @@ class CodraftWorkerExtension:
         return self._codraft_call(lambda e: e.request_versions(request_ids))
 
     # ------------------------------------------------------------------ plumbing
+    def _codraft_swap(self, body: Callable[[CodraftEngine], dict[str, Any]]) -> dict[str, Any]:
+        """A draft swap or rollback: refused (409) while a weight transfer is open."""
+
+        def guarded(e: CodraftEngine) -> dict[str, Any]:
+            e.transfers.refuse_while_open("a draft swap")
+            return body(e)
+
+        return self._codraft_call(guarded)
+
     def _codraft_call(self, body: Callable[[CodraftEngine], dict[str, Any]]) -> dict[str, Any]:
         try:
             engine = self.__dict__.get("_codraft_state")

