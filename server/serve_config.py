@@ -333,7 +333,9 @@ def vllm_argv(cfg: ServeConfig, model: Path, draft: Path) -> list[str]:
     if cfg.max_model_len is not None:
         argv += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.weight_transfer is not None:
-        argv += ["--weight-transfer-config", json.dumps({"backend": cfg.weight_transfer})]
+        # ipc: vLLM's IPC engine reading JSON handles (codraft.server.ipc_json), no pickle
+        backend = "codraft_ipc" if cfg.weight_transfer == "ipc" else cfg.weight_transfer
+        argv += ["--weight-transfer-config", json.dumps({"backend": backend})]
     if cfg.tap_mode == "full" and not _has_flag(
         passthrough, "--enable-prefix-caching", "--no-enable-prefix-caching"
     ):

@@ -39,6 +39,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "codraft.control_token",
         "codraft.draft",
         "codraft.drafters",
+        "codraft.ipc_handles",
         "codraft.models",
         "codraft.prepare",
         "codraft.prompts",
@@ -64,6 +65,7 @@ MAY_IMPORT: dict[str, set[str]] = {
 CLIENT_MAY_IMPORT = {
     "codraft.control_token": "the control token's sources and rules",
     "codraft.draft.checkpoint": "a checkpoint's codraft.json: the version and sha256 it posts",
+    "codraft.ipc_handles": "CUDA IPC handles as the JSON a weight-sync update posts",
 }
 OLD_TOP_LEVEL = ("server", "learner", "client")
 

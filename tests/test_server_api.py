@@ -1298,6 +1298,12 @@ def test_serve_config_token_exposure_and_vllm_args(
     dflash = write_new_draft(tmp_path / "f", tiny_llama_dir, drafter="dflash", tap_layers=(1, 2))
     argv = vllm_argv(cfg, Path("/m"), dflash)
     assert json.loads(argv[argv.index("--speculative-config") + 1])["method"] == "dflash"
+    assert "--weight-transfer-config" not in argv
+    sync = vllm_argv(ServeConfig(weight_transfer="ipc"), Path("/m"), d)
+    wt = json.loads(sync[sync.index("--weight-transfer-config") + 1])
+    assert wt == {"backend": "codraft_ipc"}  # vLLM's IPC engine reading JSON handles
+    with pytest.raises(ValueError, match="weight_transfer must be one of"):
+        ServeConfig(weight_transfer="pickle")
     with pytest.raises(ValueError, match="--drafter dflash but --draft .* is a eagle3 draft"):
         resolve_draft(ServeConfig(draft=str(d), drafter="dflash"), tiny_llama_dir)
     built = resolve_draft(

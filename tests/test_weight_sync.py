@@ -138,3 +138,73 @@ def test_a_sleep_vllm_fails_wakes_codrafts_copy() -> None:
     assert r.status_code == 409, r.text
     assert _order(engine) == ["codraft_sleep", "vllm.sleep", "codraft_wake"]
     assert engine.calls[0][1] == {"level": 2}
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA IPC handles as JSON (codraft.ipc_handles): what crosses the HTTP route instead of pickle.
+# Opening a handle needs CUDA (the GPU kit does it); the codec and its checks run here.
+# --------------------------------------------------------------------------------------------
+def _args() -> tuple:
+    import torch
+
+    return (
+        torch.Tensor, torch.Size([4, 8]), (8, 1), 0, torch.UntypedStorage, torch.bfloat16, 0,
+        b"\x00cuda-ipc-handle\xff" * 4, 64, 128, False, b"ref-counter", 16, None, True,
+    )  # fmt: skip
+
+
+def test_ipc_handles_travel_as_json_and_come_back_as_vllm_reads_them() -> None:
+    import json
+
+    from codraft.ipc_handles import decode_handles, encode_handles
+
+    handles = [{"GPU-1234": _args()}, {"GPU-1234": _args()[:14] + (False,)}]
+    wire = json.loads(json.dumps(encode_handles(handles)))  # plain JSON all the way
+    assert decode_handles(wire) == handles
+    packed = {"GPU-1234": _args()}
+    assert decode_handles(json.loads(json.dumps(encode_handles(packed)))) == packed
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"dtype": "os.system"}, "dtype"),
+        ({"__reduce__": "x"}, "unexpected"),
+        ({"handle": "not base64!"}, "base64"),
+        ({"size": [4, -8]}, "non-negative"),
+        ({"requires_grad": "yes"}, "true or false"),
+        ({"offset": True}, "non-negative integer"),
+    ],
+)
+def test_a_json_ipc_handle_is_checked_field_by_field(change: dict, match: str) -> None:
+    from codraft.ipc_handles import HandleError, decode_args, encode_args
+
+    good = encode_args(_args())
+    with pytest.raises(HandleError, match=match):
+        decode_args({**good, **change})
+
+
+def test_only_allowed_types_are_encoded() -> None:
+    import torch
+
+    from codraft.ipc_handles import HandleError, encode_args
+
+    with pytest.raises(HandleError, match="tensor class"):
+        encode_args((dict, *_args()[1:]))
+    with pytest.raises(HandleError, match="dtype"):
+        encode_args(_args()[:5] + (torch.complex64,) + _args()[6:])
+
+
+def test_the_codraft_ipc_backend_reads_json_handles_and_refuses_pickled_ones() -> None:
+    """vLLM's own IPC update info (its dataclass and checks) built from JSON handles; the
+    engine object is made without its constructor, which wants a running worker."""
+    from codraft.ipc_handles import KEY, encode_handles
+    from codraft.server.ipc_json import JsonIPCWeightTransferEngine
+
+    engine = object.__new__(JsonIPCWeightTransferEngine)
+    update = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[4, 8]],
+              KEY: encode_handles([{"GPU-1": _args()}])}  # fmt: skip
+    info = engine.parse_update_info(update)
+    assert info.ipc_handles == [{"GPU-1": _args()}] and info.names == ["w"]
+    with pytest.raises(ValueError, match="no pickle"):
+        engine.parse_update_info({**update, "ipc_handles_pickled": "gASV"})
