@@ -1,0 +1,252 @@
+"""vLLM's RL weight-sync protocol through `codraft serve` on one GPU (docs/rl.md).
+
+A trainer (this process) and `codraft serve --weight-transfer ipc` share the GPU. The trainer
+holds the served model's weights as CUDA tensors and pushes them through the protocol
+(`/start_weight_update`, `/update_weights` with CUDA IPC handles as JSON, `/finish_weight_update`)
+with `codraft.client.weight_sync`. Measured and checked, in one server:
+
+1. policy push: a new policy (every decoder weight perturbed by --noise of its own std, seeded)
+   pushed by IPC as policy v1: greedy outputs change, the policy version moves; the same
+   weights then loaded from disk as v2 (written as a served folder, `POST /v1/policy`): greedy
+   outputs identical to v1's (the IPC path moved exactly those weights). Time of each path.
+2. sleep: the held-out prompts before and after sleep level 1 + wake, and level 2 + wake of
+   the weights, the policy pushed again (what RL trainers do after level 2), wake of the KV
+   cache: acceptance (vLLM's counters) and outputs per phase; equal when the draft survived.
+3. a draft push (`/start_draft_weight_update`): the serving draft's own weights pushed back as
+   a new draft version, outputs unchanged, then a rollback.
+
+    .gpu_venv/bin/python scripts/gpu_vllm/weight_sync.py --work runs/gpu_work/ws --out "$OUT" \\
+        --draft runs/gpu_drafts/dflash       # a trained draft makes the sleep check meaningful
+
+Writes $OUT/weight_sync.json. Exit status 0 when every check held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import secrets
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_prompts
+
+
+def _counters(metrics_text: str) -> tuple[float, float]:
+    """vLLM's (drafts, accepted tokens) counters, summed over labels."""
+    out = []
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total"):
+        vals = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", metrics_text, re.M)
+        out.append(sum(float(v) for v in vals))
+    return out[0], out[1]
+
+
+class Stack:
+    def __init__(self, args: argparse.Namespace, model: Path, work: Path) -> None:
+        from codraft.server.serve import ServeProcess
+
+        self.token = secrets.token_hex(16)
+        (work / "token").write_text(self.token)
+        argv = [
+            "--model", str(model), "--dtype", "bfloat16", "--max-model-len", "2048",
+            "--weight-transfer", "ipc", "--control-token-file", str(work / "token"),
+            "--work-dir", str(work / "serve"), "--num-speculative-tokens", str(args.k),
+            "--gpu-memory-utilization", str(args.gpu_memory), "--enable-sleep-mode",
+            *(["--draft", args.draft] if args.draft else []),
+        ]  # fmt: skip
+        self.server = ServeProcess.start(argv, work / "serve.log")
+        self.server.wait_ready(timeout=900)
+        self.model = str(model)
+        self.auth = {"Authorization": f"Bearer {self.token}"}
+
+    def control(self, method: str, path: str, **kw: Any) -> dict:
+        r = httpx.request(method, self.server.control_url + path, headers=self.auth,
+                          timeout=600, **kw)  # fmt: skip
+        if r.status_code >= 400:
+            raise RuntimeError(f"{method} {path}: {r.status_code} {r.text[:2000]}")
+        return r.json() if r.content else {}
+
+    def generate(self, prompts: list[str], max_tokens: int) -> dict[str, Any]:
+        """Greedy completions of all prompts at once; token ids, the versions the responses
+        name, and vLLM's acceptance over this batch."""
+        import asyncio
+
+        before = _counters(httpx.get(f"{self.server.control_url}/metrics", timeout=60).text)
+
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=600) as c:
+                body = {"model": self.model, "max_tokens": max_tokens, "temperature": 0.0,
+                        "return_token_ids": True}  # fmt: skip
+                return await asyncio.gather(*(
+                    c.post(f"{self.server.url}/v1/completions", json={**body, "prompt": p})
+                    for p in prompts
+                ))  # fmt: skip
+
+        t0 = time.perf_counter()
+        responses = asyncio.run(run())
+        seconds = time.perf_counter() - t0
+        after = _counters(httpx.get(f"{self.server.control_url}/metrics", timeout=60).text)
+        drafts, accepted = after[0] - before[0], after[1] - before[1]
+        for r in responses:
+            r.raise_for_status()
+        return {
+            "token_ids": [r.json()["choices"][0]["token_ids"] for r in responses],
+            "policy_versions": sorted({r.headers["x-codraft-policy-version"] for r in responses}),
+            "draft_versions": sorted({r.headers["x-codraft-draft-version"] for r in responses}),
+            "acceptance_length": 1 + accepted / drafts if drafts else None,
+            "seconds": seconds,
+        }
+
+
+def _weights(model: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    out: dict[str, Any] = {}
+    for f in sorted(model.glob("*.safetensors")):
+        out.update(load_file(str(f), device="cuda"))
+    return out
+
+
+def _perturbed(weights: dict[str, Any], noise: float, seed: int) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = {}
+    for name, w in weights.items():
+        if w.dim() == 2 and ".layers." in name:  # decoder weights; embeddings and norms kept
+            r = torch.randn(w.shape, generator=g, device="cuda", dtype=torch.float32)
+            w = (w.float() + noise * w.float().std() * r).to(w.dtype)
+        out[name] = w.contiguous()
+    return out
+
+
+def push(sync: Any, weights: dict[str, Any], version: int, draft: bool = False,
+         chunk: int = 64) -> float:  # fmt: skip
+    from codraft.client.weight_sync import ipc_update_info
+
+    items = list(weights.items())
+    t0 = time.perf_counter()
+    sync.start(draft=draft)
+    for i in range(0, len(items), chunk):
+        sync.update(ipc_update_info(items[i : i + chunk]))
+    sync.finish(version=version)
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--work", default="runs/gpu_work/weight_sync")
+    p.add_argument("--out", required=True)
+    p.add_argument("--draft", default=None, help="a trained draft folder (default: untrained)")
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--noise", type=float, default=0.05)
+    p.add_argument("--gpu-memory", type=float, default=0.3)
+    args = p.parse_args()
+    from make_prompts import load_prompts
+
+    from codraft.client.weight_sync import WeightSyncClient
+    from codraft.prepare import resolve_model
+
+    work, out = Path(args.work).resolve(), Path(args.out)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
+    model = resolve_model("smollm2")
+    prompts = load_prompts()["heldout"][: args.prompts]
+    report: dict[str, Any] = {"prompts": len(prompts), "max_tokens": args.max_tokens,
+                              "draft": args.draft, "checks": {}}  # fmt: skip
+    checks = report["checks"]
+    stack = Stack(args, model, work)
+    try:
+        sync = WeightSyncClient(stack.server.control_url, token=stack.token)
+        sync.init({})
+        base = _weights(model)
+        v0 = stack.generate(prompts, args.max_tokens)
+        # 1. a new policy by IPC, then the same weights from disk
+        new = _perturbed(base, args.noise, seed=1)
+        ipc_s = push(sync, new, version=1)
+        v1 = stack.generate(prompts, args.max_tokens)
+        folder = work / "policy-v1"
+        shutil.copytree(model, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+        t0 = time.perf_counter()
+        from safetensors.torch import save_file
+
+        save_file({k: v.cpu() for k, v in new.items()}, str(folder / "model.safetensors"))
+        write_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        stack.control("POST", "/v1/policy", json={"version": 2, "path": str(folder)})
+        load_s = time.perf_counter() - t1
+        v2 = stack.generate(prompts, args.max_tokens)
+        report["policy_push"] = {
+            "tensors": len(new), "bytes": sum(t.numel() * t.element_size() for t in new.values()),
+            "ipc_s": ipc_s, "disk_write_s": write_s, "disk_load_s": load_s,
+            "outputs_changed": sum(
+                a != b for a, b in zip(v0["token_ids"], v1["token_ids"], strict=True)
+            ),
+            "acceptance": {"v0": v0["acceptance_length"], "v1": v1["acceptance_length"],
+                           "v2": v2["acceptance_length"]},
+        }  # fmt: skip
+        checks["policy_version_moves"] = v1["policy_versions"] == ["1"] and v2[
+            "policy_versions"
+        ] == ["2"]  # noqa: E501
+        checks["outputs_change_with_the_policy"] = report["policy_push"]["outputs_changed"] > 0
+        checks["ipc_and_disk_give_the_same_outputs"] = v1["token_ids"] == v2["token_ids"]
+        # 2. sleep: level 1, then level 2 with the policy pushed back
+        phases = {"before": stack.generate(prompts, args.max_tokens)}
+        stack.control("POST", "/sleep", params={"level": 1})
+        stack.control("POST", "/wake_up")
+        phases["after_level_1"] = stack.generate(prompts, args.max_tokens)
+        stack.control("POST", "/sleep", params={"level": 2})
+        stack.control("POST", "/wake_up", params={"tags": "weights"})
+        push(sync, new, version=3)  # level 2 discarded the weights: the trainer sends them
+        stack.control("POST", "/wake_up", params={"tags": "kv_cache"})
+        phases["after_level_2"] = stack.generate(prompts, args.max_tokens)
+        report["sleep"] = {k: {"acceptance_length": v["acceptance_length"],
+                               "draft_versions": v["draft_versions"], "seconds": v["seconds"]}
+                           for k, v in phases.items()}  # fmt: skip
+        ref = phases["before"]
+        for name in ("after_level_1", "after_level_2"):
+            checks[f"{name}_same_outputs"] = phases[name]["token_ids"] == ref["token_ids"]
+            checks[f"{name}_same_acceptance"] = (
+                phases[name]["acceptance_length"] == ref["acceptance_length"]
+            )
+        # 3. the serving draft pushed back as a new draft version, then rolled back
+        draft_before = stack.control("GET", "/v1/draft")
+        if args.draft:
+            from safetensors.torch import load_file
+
+            dw = {
+                k: v.cuda()
+                for k, v in load_file(str(Path(args.draft) / "model.safetensors")).items()
+            }  # noqa: E501
+            new_version = draft_before["highest_version"] + 1
+            report["draft_push_s"] = push(sync, dw, version=new_version, draft=True)
+            after = stack.generate(prompts, args.max_tokens)
+            checks["draft_push_keeps_outputs"] = after["token_ids"] == ref["token_ids"]
+            checks["draft_push_keeps_acceptance"] = (
+                after["acceptance_length"] == ref["acceptance_length"]
+            )
+            checks["draft_version_moves"] = after["draft_versions"] == [str(new_version)]
+            back = stack.control("POST", "/v1/draft/rollback", json={"reason": "check"})
+            checks["rollback_to_the_draft_before"] = back["version"] == draft_before["version"]
+        sync.close()
+    finally:
+        stack.server.stop()
+        report["server_log_tail"] = stack.server.log_tail(4000)
+    report["ok"] = all(checks.values())
+    (out / "weight_sync.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k != "server_log_tail"}, indent=2))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
