@@ -182,10 +182,13 @@ def main() -> int:
         client = CodraftClient(f"http://127.0.0.1:{cport}", token=token)
         client.wait_ready(timeout=600)
         print(f"[2/4] starting codraft learn (logs: {out / 'learner.log'})", flush=True)
+        # a DFlash step trains every slot of 8-slot blocks against the whole vocabulary: on two
+        # cores it takes about 30 s beside the server, so it publishes after fewer steps
+        publish_every = 10 if args.drafter == "eagle3" else 4
         learner = _spawn(
             ["learn", "--server", f"http://127.0.0.1:{cport}", "--tap", f"tcp://127.0.0.1:{tap}",
              "--target", str(model), "--out", str(out / "learner"), "--token-file",
-             str(token_file), "--publish-every", "10", "--token-budget", "2048",
+             str(token_file), "--publish-every", str(publish_every), "--token-budget", "2048",
              "--min-buffer-tokens", "2048", "--http-port", "0", "--lr", "1e-3"],
             out / "learner.log",
         )  # fmt: skip
