@@ -32,51 +32,7 @@ WHL="$SRC/whl"
     || { echo "need Python 3.12 (the set is cp312); set PYTHON=" >&2; exit 2; }
 
 # ---------------------------------------------------------------- 1. reassemble + verify
-"$PYTHON" - "$SRC" "$WHL" <<'EOF'
-import hashlib, json, sys
-from pathlib import Path
-
-src, out = Path(sys.argv[1]), Path(sys.argv[2])
-manifests = sorted(src.glob("part*/manifest.json")) + sorted(src.glob("manifest.json"))
-if not manifests:
-    sys.exit(f"no {src}/part*/manifest.json: carry the parts first")
-# parts carried at different times may hold manifests of different builds: the newest build
-# is the one whose parts are all here and agree on its sha256s; take the one listing the most
-# files (a rebuild only adds wheels), as scripts/gpu_vllm/install.sh does
-m = max((json.loads(f.read_text()) for f in manifests), key=lambda x: len(x["files"]))
-absent = [p for p in m["parts"] if not (src / p).is_dir()]
-if absent:
-    sys.exit(f"parts still missing: {absent} (have {sorted(p.name for p in src.glob('part*'))})")
-out.mkdir(parents=True, exist_ok=True)
-
-def sha(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(1 << 22):
-            h.update(b)
-    return h.hexdigest()
-
-for entry in m["files"]:
-    dst = out / entry["name"]
-    if dst.is_file() and dst.stat().st_size == entry["bytes"] and sha(dst) == entry["sha256"]:
-        continue
-    tmp = dst.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        for piece in entry["pieces"]:
-            data = (src / piece["part"] / piece["file"]).read_bytes()
-            if hashlib.sha256(data).hexdigest() != piece["sha256"]:
-                sys.exit(f"{piece['part']}/{piece['file']}: sha256 mismatch (re-carry that part)")
-            f.write(data)
-    if sha(tmp) != entry["sha256"]:
-        sys.exit(f"{entry['name']}: sha256 mismatch after reassembly")
-    tmp.replace(dst)
-(out / "set.json").write_text(json.dumps({
-    "wheels": [e["name"] for e in m["files"]],
-    "left_out": m.get("left_out", {}),
-    "accepted": m.get("accepted", {}),
-}, indent=1))
-print(f"verified {len(m['files'])} wheels ({m['total_bytes'] / 2**20:.1f} MiB) in {out}")
-EOF
+"$PYTHON" scripts/gpu_vllm/reassemble.py "$SRC" "$WHL"
 
 # ---------------------------------------------------------------- 2. venv
 if [ ! -x "$VENV/bin/python" ]; then
@@ -110,8 +66,8 @@ assert torch.__version__.split("+")[0] == "2.11.0", "sglang 0.5.17 pins torch==2
 mapfile -t WHEELS < <("$PY" -c 'import json, sys
 from pathlib import Path
 whl = Path(sys.argv[1])
-for name in json.loads((whl / "set.json").read_text())["wheels"]:
-    print(whl / name)' "$WHL")
+for e in json.loads((whl / "manifest.json").read_text())["files"]:
+    print(whl / e["name"])' "$WHL")
 # --no-compile: sglang alone is thousands of modules; Python compiles what it imports, once
 "${PIP[@]}" install --no-deps --no-index --no-compile --disable-pip-version-check -q "${WHEELS[@]}"
 
@@ -136,17 +92,17 @@ for dist in ("torch", "triton", "transformers", "tokenizers", "safetensors", "nu
     except md.PackageNotFoundError:
         print(f"  {dist:18s} MISSING")
 EOF
-"$PY" - "$WHL/set.json" <<'EOF'
+"$PY" - "$WHL/manifest.json" <<'EOF'
 # every requirement (no extras) of every installed wheel of the set: met, or left out on purpose
 import importlib.metadata as md, json, re, sys
 from packaging.requirements import Requirement
 from packaging.version import Version
 
 info = json.loads(open(sys.argv[1]).read())
-left_out, accepted = info["left_out"], info["accepted"]
+left_out, accepted = info.get("left_out", {}), info.get("accepted", {})
 norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
 bad, warn, notes = [], [], []
-for wheel in info["wheels"]:
+for wheel in (e["name"] for e in info["files"]):
     dist = md.distribution(wheel.split("-")[0])
     for text in dist.requires or []:
         req = Requirement(text)

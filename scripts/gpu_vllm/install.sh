@@ -28,47 +28,7 @@ WHL="$SRC/whl"
     || { echo "need Python 3.12 (the set is cp312); set PYTHON=" >&2; exit 2; }
 
 # ---------------------------------------------------------------- 1. reassemble + verify
-"$PYTHON" - "$SRC" "$WHL" <<'EOF'
-import hashlib, json, sys
-from pathlib import Path
-
-src, out = Path(sys.argv[1]), Path(sys.argv[2])
-manifests = sorted(src.glob("part*/manifest.json")) + sorted(src.glob("manifest.json"))
-if not manifests:
-    sys.exit(f"no {src}/part*/manifest.json: carry the parts first")
-# parts carried at different times may hold manifests of different builds: the one listing the
-# most files is the newest (a rebuild only adds wheels); its sha256s then decide
-m = max((json.loads(f.read_text()) for f in manifests), key=lambda x: len(x["files"]))
-absent = [p for p in m["parts"] if not (src / p).is_dir()]
-if absent:
-    sys.exit(f"parts still missing: {absent} (have {sorted(p.name for p in src.glob('part*'))})")
-out.mkdir(parents=True, exist_ok=True)
-
-def sha(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(1 << 22):
-            h.update(b)
-    return h.hexdigest()
-
-for entry in m["files"]:
-    dst = out / entry["name"]
-    if dst.is_file() and dst.stat().st_size == entry["bytes"] and sha(dst) == entry["sha256"]:
-        continue
-    tmp = dst.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        for piece in entry["pieces"]:
-            data = (src / piece["part"] / piece["file"]).read_bytes()
-            if hashlib.sha256(data).hexdigest() != piece["sha256"]:
-                sys.exit(f"{piece['part']}/{piece['file']}: sha256 mismatch (re-carry that part)")
-            f.write(data)
-    if sha(tmp) != entry["sha256"]:
-        sys.exit(f"{entry['name']}: sha256 mismatch after reassembly")
-    tmp.replace(dst)
-(out / "groups.json").write_text(json.dumps(
-    {e["name"]: [e["group"], e.get("module")] for e in m["files"]}, indent=1))
-print(f"verified {len(m['files'])} wheels ({m['total_bytes'] / 2**20:.1f} MiB) in {out}")
-EOF
+"$PYTHON" scripts/gpu_vllm/reassemble.py "$SRC" "$WHL"
 
 # ---------------------------------------------------------------- 2. venv
 if [ ! -x "$VENV/bin/python" ]; then
@@ -102,7 +62,8 @@ mapfile -t KEEP < <("$PY" - "$WHL" <<'EOF'
 import json, sys
 from pathlib import Path
 whl = Path(sys.argv[1])
-for name, (group, module) in json.loads((whl / "groups.json").read_text()).items():
+for e in json.loads((whl / "manifest.json").read_text())["files"]:
+    name, group, module = e["name"], e["group"], e.get("module")
     if group == "keep" or group == "model":
         print(whl / name)
     elif group == "extra":
