@@ -264,3 +264,44 @@ def test_engine_checks_chi_square() -> None:
     assert stat == pytest.approx(2 * (100**2 / 400) + 0 + 2 * (100**2 / 200))
     rare = chi_square(Counter({1: 500, 7: 1}), Counter({1: 500, 8: 1}))
     assert rare[1] == 1 and rare[2] > 0.5  # 7 and 8 pooled into one category
+
+
+def test_a_set_split_into_parts_is_joined_and_checked_there(tmp_path: Path) -> None:
+    """prepare_lean_set's split (files in pieces across parts) and reassemble.py (run on the
+    GPU machine by both kits' install.sh): the joined wheels equal the originals; a damaged
+    piece or a missing part stops it with the part named."""
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.spec_from_file_location("pls", KIT / "prepare_lean_set.py")
+    pls = importlib.util.module_from_spec(spec)
+    sys.modules["pls"] = pls  # its dataclasses look their module up
+    spec.loader.exec_module(pls)
+    src = tmp_path / "wheels"
+    src.mkdir()
+    files = {"big-1.0-py3-none-any.whl": 9, "small-1.0-py3-none-any.whl": 1}  # MiB
+    for name, mib in files.items():
+        (src / name).write_bytes(bytes(range(256)) * (mib << 12))
+    wheels = [pls.Wheel(src / name, "keep") for name in files]
+    manifest = pls.split_into_parts(wheels, tmp_path / "set", part_bytes=4 << 20)
+    assert len(manifest["parts"]) >= 3  # the 9 MiB file went in pieces
+
+    def join(out: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, str(KIT / "reassemble.py"), str(tmp_path / "set"), str(out)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    r = join(tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    for name in files:
+        assert (tmp_path / "out" / name).read_bytes() == (src / name).read_bytes()
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text()) == manifest
+    piece = manifest["files"][0]["pieces"][1]
+    path = tmp_path / "set" / piece["part"] / piece["file"]
+    path.write_bytes(b"x" + path.read_bytes()[1:])
+    r = join(tmp_path / "out2")
+    assert r.returncode != 0 and f"{piece['part']}/{piece['file']}: sha256 mismatch" in r.stderr
+    shutil.rmtree(tmp_path / "set" / manifest["parts"][-1])
+    r = join(tmp_path / "out3")
+    assert r.returncode != 0 and "parts still missing" in r.stderr
