@@ -101,7 +101,7 @@ def _block_hits(draft: DFlashDraft, packed: PackedBatch, k: int, chunk: int = 10
     """hits [k, n]: proposal d of the block anchored after position i proposes x[i+d+1] (the
     logits a chunk of rows at a time: the head is the target's whole vocabulary)."""
     ids, cu = packed.input_ids, packed.cu_seqlens
-    have = draft.config.block_size - (0 if draft.config.kind == "dspark" else 1)
+    have = draft.config.proposals
     if k > have:
         raise ValueError(
             f"k={k} proposals, but the {draft.config.kind} draft's blocks of "

@@ -83,6 +83,7 @@ def block_draft_loss(
     total = h.new_zeros((), dtype=acc)
     weight_sum = 0.0
     tokens, correct = [], []
+    head_and_markov = None  # cat(lm_head, w2): built once, read by every proposal
     for d in range(h.shape[0]):
         at = counted[d].nonzero().squeeze(1)
         tokens.append(int(at.numel()))
@@ -95,7 +96,9 @@ def block_draft_loss(
         if extra is not None:
             e, w2 = extra
             x = torch.cat([x, e.to(x.dtype)], dim=-1)
-            w = torch.cat([head.to(w2.dtype), w2], dim=1)
+            if head_and_markov is None:
+                head_and_markov = torch.cat([head.to(w2.dtype), w2], dim=1)
+            w = head_and_markov
         if teacher_logits is None:
             ce, right = cross_entropy(x, w, input_ids, hard=True, chunk=chunk, acc=acc, index=index)
         else:

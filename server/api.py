@@ -162,10 +162,10 @@ _STATUS_TEXT = {
     413: "request body over the limit",
     422: "malformed body, or a checkpoint that fails its checks",
     500: "loaded, but a step after the load failed",
+    501: "the weight-transfer backend cannot run on this build (vLLM's CPU build)",
     502: "the engine's reply was unusable",
     503: "the engine is dead, or another swap holds the lock too long",
     504: "the engine did not answer in time",
-    501: "the weight-transfer backend cannot run on this build (vLLM's CPU build)",
 }
 
 

@@ -130,6 +130,14 @@ class Transfers:
         self.completed["draft"] += 1
         return e.swapped({"ok": True, "ready": True, "timing_ms": {}})
 
+    def check(self, e: CodraftEngine, version: Any = None) -> dict[str, Any]:
+        """The open session's kind and the version its finish will take (409 when none is
+        open, or when `version` is not newer), asked before vLLM finishes."""
+        if self.session is None:
+            raise SwapError(409, "no weight transfer is open: start one first")
+        kind = self.session.kind
+        return {"ok": True, "kind": kind, "version": self.next_version(e, kind, version)}
+
     def next_version(self, e: CodraftEngine, kind: Any, version: Any = None) -> int:
         """`version` checked to be newer than the serving one (409), or the next one."""
         if kind not in KINDS:

@@ -149,11 +149,9 @@ class WeightSync:
 
         async def body() -> dict:
             await self.control.rpc("codraft_transfer_begin", kind=kind)
-            start = self.engine.start_draft_weight_update if kind == "draft" else (
-                self.engine.start_weight_update
-            )  # fmt: skip
+            name = "start_draft_weight_update" if kind == "draft" else "start_weight_update"
             try:
-                await self._call(f"start_{'draft_' if kind == 'draft' else ''}weight_update", start)
+                await self._call(name, getattr(self.engine, name))
             except ControlError:
                 await self.control.rpc("codraft_transfer_end", ok=False)
                 raise
@@ -187,14 +185,8 @@ class WeightSync:
 
     async def finish(self, version: int | None) -> dict:
         async def body() -> dict:
-            info = await self.control.rpc(
-                "codraft_info", timeout=self.control.settings.probe_timeout_s
-            )
-            session = (info.get("transfer") or {}).get("open")
-            if session is None:
-                raise ControlError(409, "no weight transfer is open: start one first")
-            kind = session["kind"]
-            checked = await self.control.rpc("codraft_transfer_check", kind=kind, version=version)
+            checked = await self.control.rpc("codraft_transfer_check", version=version)
+            kind = checked["kind"]
             try:
                 await self._call("finish_weight_update", self.engine.finish_weight_update)
             except ControlError:

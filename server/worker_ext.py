@@ -44,6 +44,11 @@ RPC interface (all values plain JSON types):
 - `codraft_load_policy(path, version)` -> {"ok", "policy", "reset_prefix_cache": True}; 409 /
   404 / 422 as for drafts. The caller must reset the engine's prefix cache afterwards. Tap
   messages and stats carry the policy version from then on.
+- `codraft_transfer_begin(kind)`, `codraft_transfer_check(version=None)` -> {"ok", "kind",
+  "version"}, `codraft_transfer_end(ok, version=None)`, `codraft_sleep(level)`,
+  `codraft_wake(tags=None)`: the bracket of a vLLM weight-transfer session and of a sleep
+  (codraft.server.transfer); while a session is open the swaps, rollbacks and policy loads
+  above answer 409.
 - `codraft_set_tap(enabled=None, mode=None, sample_rate=None, endpoint=None)` -> {"ok", "tap"};
   None leaves a setting unchanged; mode "off" is enabled=False; 422 on bad values.
 - `codraft_stats(flush=False)` -> {"ok", "tap": {"messages_sent", "messages_dropped",
@@ -583,10 +588,8 @@ class CodraftWorkerExtension:
     def codraft_transfer_begin(self, kind: str) -> dict[str, Any]:
         return self._codraft_call(lambda e: e.transfers.begin(e, kind))
 
-    def codraft_transfer_check(self, kind: str, version: int | None = None) -> dict[str, Any]:
-        return self._codraft_call(
-            lambda e: {"ok": True, "version": e.transfers.next_version(e, kind, version)}
-        )
+    def codraft_transfer_check(self, version: int | None = None) -> dict[str, Any]:
+        return self._codraft_call(lambda e: e.transfers.check(e, version))
 
     def codraft_transfer_end(self, ok: bool, version: int | None = None) -> dict[str, Any]:
         return self._codraft_call(lambda e: e.transfers.end(e, ok, version))

@@ -68,7 +68,7 @@ def _replies(kind: str = "draft") -> dict[str, Any]:
     return {
         "codraft_info": {**INFO, "transfer": {"open": open_}},
         "codraft_transfer_begin": {"ok": True},
-        "codraft_transfer_check": {"ok": True, "version": 4},
+        "codraft_transfer_check": {"ok": True, "kind": kind, "version": 4},
         "codraft_transfer_end": {"ok": True, "draft": INFO["draft"]},
         "codraft_sleep": {"ok": True, "draft": INFO["draft"]},
         "codraft_wake": {"ok": True, "draft": INFO["draft"]},
@@ -101,7 +101,7 @@ def test_a_finish_ends_codrafts_session_after_vllms() -> None:
         "codraft_transfer_check", "vllm.finish_weight_update", "codraft_transfer_end(True)",
     ]  # fmt: skip
     check = dict(engine.calls)["codraft_transfer_check"]
-    assert check == {"kind": "draft", "version": 4}  # the check gets the version
+    assert check == {"version": 4}  # the check gets the version (the session knows its kind)
 
 
 @pytest.mark.parametrize("kind", ["policy", "draft"])

@@ -117,6 +117,11 @@ class DFlashConfig:
         return len(self.tap_layers)
 
     @property
+    def proposals(self) -> int:
+        """Tokens one block proposes: the slots after the anchor."""
+        return self.block_size - 1
+
+    @property
     def draft_vocab_size(self) -> int:
         """The draft reads out with the target's lm_head: the whole target vocabulary."""
         return self.vocab_size

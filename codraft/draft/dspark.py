@@ -22,7 +22,6 @@ rank -> vocab).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from codraft.draft.dflash import DFlashDraft
@@ -83,16 +82,13 @@ class DSparkDraft(DFlashDraft):
         every slot proposes the token after its own position."""
         return h, next_in_document(source, cu_seqlens)
 
-    def markov_bias(self, previous: torch.Tensor) -> torch.Tensor:
-        return self.markov_head(previous)
-
     def readout(self, h: torch.Tensor, previous: torch.Tensor | None = None) -> torch.Tensor:
         """Proposal logits: the backbone's through the target's lm_head, plus the Markov bias
         of `previous` (the token before each proposed one)."""
         if previous is None:
             raise ValueError("a DSpark draft's logits need the token before each proposal")
-        base = F.linear(self.norm(h), self._shared("_head").to(h.dtype))
-        return base + self.markov_bias(previous).to(base.dtype)
+        base = self.logits(h)
+        return base + self.markov_head(previous).to(base.dtype)
 
     def markov_features(self, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(markov_w1[previous] [..., rank], markov_w2's weight [vocab, rank]): the bias as one

@@ -83,5 +83,4 @@ class DSparkConfig(DFlashConfig):
         if "markov_rank" not in hf:
             raise ValueError("config has no markov_rank")
         base = DFlashConfig.from_hf_dict({**hf, "architectures": ["DFlashDraftModel"]})
-        fields = {k: v for k, v in base.to_dict().items()}
-        return cls(**fields, markov_rank=hf["markov_rank"])
+        return cls(**base.to_dict(), markov_rank=hf["markov_rank"])
