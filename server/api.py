@@ -364,6 +364,18 @@ class EngineControl:
             self._epoch += 1
             self.swap_lock.release()
 
+    async def reset_prefix_cache(self, policy_version: int) -> None:
+        """After new target weights: KV computed with the old ones must not be reused, so drop
+        the prefix cache and recompute running requests with the new weights."""
+        try:
+            await self.engine.reset_prefix_cache(reset_running_requests=True)
+        except Exception as e:
+            raise ControlError(
+                500,
+                f"policy v{policy_version} is loaded but resetting the prefix cache failed "
+                f"({type(e).__name__}: {e}); cached KV of the old policy may be reused",
+            ) from e
+
     async def prepare_draft(self, path: str, version: int | None, sha256: str | None) -> dict:
         """Stage a draft ahead of its swap (`codraft_prepare_draft`, under the swap lock so that
         it never supersedes the draft a swap in progress is waiting for): the reply is the
@@ -545,16 +557,7 @@ def control_router(control: EngineControl, auth: Callable[..., Awaitable[None]])
         path = checked_path(control, body.path)
         reply = await control.swap("codraft_load_policy", path=path, version=body.version)
         if reply.get("reset_prefix_cache"):
-            # KV computed with the old weights must not be reused: drop the prefix cache and
-            # recompute running requests with the new weights.
-            try:
-                await control.engine.reset_prefix_cache(reset_running_requests=True)
-            except Exception as e:
-                raise ControlError(
-                    500,
-                    f"policy v{body.version} is loaded but resetting the prefix cache failed "
-                    f"({type(e).__name__}: {e}); cached KV of the old policy may be reused",
-                ) from e
+            await control.reset_prefix_cache(body.version)
         return reply["policy"]
 
     @r.get("/v1/tap", **_documented(TapReply))

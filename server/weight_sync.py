@@ -196,7 +196,7 @@ class WeightSync:
                 "codraft_transfer_end", ok=True, version=checked["version"]
             )
             if reply.get("reset_prefix_cache"):
-                await self._reset_prefix_cache(checked["version"])
+                await self.control.reset_prefix_cache(checked["version"])
             out = {"message": "Weight update finished", "kind": kind}
             for key in ("policy", "draft"):
                 if key in reply:
@@ -210,16 +210,6 @@ class WeightSync:
             await self.control.rpc("codraft_transfer_end", ok=False)
         except ControlError as e:
             log.error("codraft: closing the weight transfer after %s failed: %s", why, e.message)
-
-    async def _reset_prefix_cache(self, version: int) -> None:
-        try:
-            await self.engine.reset_prefix_cache(reset_running_requests=True)
-        except Exception as e:
-            raise ControlError(
-                500,
-                f"policy v{version} arrived, but resetting the prefix cache failed "
-                f"({type(e).__name__}: {e}); cached KV of the old policy may be reused",
-            ) from e
 
     async def sleep(self, level: int, mode: str) -> dict:
         async def body() -> dict:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_dflash import _served_block
+from test_dflash import _tiny as dflash_tiny
 
 from codraft.draft.checkpoint import (
     DraftCheckpointError,
@@ -31,15 +32,9 @@ from codraft.draft.dspark import DSparkDraft, next_in_document
 from codraft.draft.dspark_config import DSparkConfig
 
 
-def _tiny(**kw) -> DSparkConfig:
-    base = dict(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, vocab_size=50, target_hidden_size=32,
-        tap_layers=(1, 3), block_size=3, mask_token_id=7, dtype="float64", rope_theta=1000.0,
-        markov_rank=5,
-    )  # fmt: skip
-    base.update(kw)
-    return DSparkConfig(**base)
+def _tiny(markov_rank: int = 5, **kw) -> DSparkConfig:
+    """test_dflash's tiny DFlash config with blocks of 3 queries, plus a Markov head."""
+    return DSparkConfig(**{**dflash_tiny(block_size=3, **kw).to_dict(), "markov_rank": markov_rank})
 
 
 def _draft(cfg: DSparkConfig, seed: int = 0) -> DSparkDraft:

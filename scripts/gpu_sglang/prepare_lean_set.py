@@ -382,7 +382,7 @@ def main() -> int:
     out = Path(args.out)
     dl = out / "download"
     repacked = out / ("repacked-no-fa3" if args.no_fa3 else "repacked")
-    missing = [q for q in SHIP if not _has(dl, q)]
+    missing = [q for q in SHIP if not kit._has(dl, q)]
     if missing:
         download(missing, dl)
     sources = {q: kit.find_wheel(dl, q) for q in SHIP}
@@ -424,21 +424,8 @@ def main() -> int:
     for name, before, after in sorted(rows, key=lambda r: -r[2]):
         was = f" (was {before / MiB:.1f})" if before != after else ""
         print(f"  {after / MiB:8.2f} MiB  {name}{was}")
-    for name, used in zip(manifest["parts"], manifest["part_bytes"], strict=True):
-        print(f"  {out / name}: {used / MiB:6.2f} MiB")
-    print(
-        f"total {manifest['total_bytes'] / MiB:.1f} MiB in {len(manifest['parts'])} parts, "
-        f"{len(wheels)} wheels; manifest: {out / 'manifest.json'}"
-    )
+    kit.print_parts(manifest, out, len(wheels))
     return 0
-
-
-def _has(folder: Path, pin: str) -> bool:
-    try:
-        kit.find_wheel(folder, pin)
-        return True
-    except SystemExit:
-        return False
 
 
 if __name__ == "__main__":

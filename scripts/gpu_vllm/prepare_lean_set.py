@@ -305,13 +305,17 @@ def main() -> int:
     if not args.no_model:
         wheels += [Wheel(find_wheel(dl, q), "model") for q in MODEL]
     manifest = split_into_parts(wheels, out, int(args.part_mib * MiB))
+    print_parts(manifest, out, len(wheels))
+    return 0
+
+
+def print_parts(manifest: dict, out: Path, wheels: int) -> None:
     for name, used in zip(manifest["parts"], manifest["part_bytes"], strict=True):
         print(f"  {out / name}: {used / MiB:6.2f} MiB")
     print(
         f"total {manifest['total_bytes'] / MiB:.1f} MiB in {len(manifest['parts'])} parts, "
-        f"{len(wheels)} wheels; manifest: {out / 'manifest.json'}"
+        f"{wheels} wheels; manifest: {out / 'manifest.json'}"
     )
-    return 0
 
 
 def _has(folder: Path, pin: str) -> bool:
