@@ -424,24 +424,13 @@ def test_a_batch_without_loss_tokens_gives_a_zero_loss_with_gradients():
 # --------------------------------------------------------------------------------------------
 # the acceptance estimate the online learner gates publishes on
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bug", [None, "slot_shift"])
-def test_acceptance_estimate_walks_the_blocks_vllm_would_draft(bug, monkeypatch):
-    """Sequences are built step by step the way greedy verification goes: at each anchor the
-    block is computed as vLLM serves it (`_served_block`), the next r tokens are set to its
-    first r proposals and the one after to something else, r drawn at random. The estimate must
-    find exactly those accepted lengths. Planted: slots read one position off."""
-    from codraft.learner import acceptance
+def greedy_walk(cfg, k: int, propose) -> tuple[list, tuple[int, int, list[int]]]:
+    """Two documents built step by step the way greedy verification goes: at each anchor a
+    `propose(ids, taps, anchor)` gives the draft's k proposals (made as vLLM makes them), the
+    next r tokens are set to the first r of them and the one after to something else, r drawn
+    at random. -> (Samples, the (steps, emitted, accepted per position) that walk must give)."""
     from codraft.learner.data.packing import Sample
 
-    cfg, k = _tiny(), 3
-    draft = _draft(cfg, seed=5)
-    if bug == "slot_shift":
-        real = acceptance._block_hits
-
-        def shifted(d, packed, kk, chunk=1024):
-            return torch.roll(real(d, packed, kk, chunk), 1, dims=0)
-
-        monkeypatch.setattr(acceptance, "_block_hits", shifted)
     g = torch.Generator().manual_seed(11)
     samples, want_steps, want_emitted, want_pos = [], 0, 0, [0] * k
     for length, prompt in ((40, 5), (33, 9)):
@@ -450,7 +439,7 @@ def test_acceptance_estimate_walks_the_blocks_vllm_would_draft(bug, monkeypatch)
         i = prompt - 1
         while i + 2 <= length - 1:
             with torch.no_grad():
-                props = _served_block(draft, ids, taps, i + 1).argmax(-1)[1 : k + 1]
+                props = torch.as_tensor(propose(ids, taps, i + 1), dtype=ids.dtype)
             remaining = length - 1 - (i + 1)
             r = min(int(torch.randint(0, k + 1, (), generator=g)), remaining)
             ids[i + 2 : i + 2 + r] = props[:r]
@@ -464,6 +453,29 @@ def test_acceptance_estimate_walks_the_blocks_vllm_would_draft(bug, monkeypatch)
         mask = torch.zeros(length, dtype=torch.uint8)
         mask[prompt:] = 1
         samples.append(Sample(ids, mask, taps=taps, last_hidden=torch.zeros(length, 32)))
+    return samples, (want_steps, want_emitted, want_pos)
+
+
+@pytest.mark.parametrize("bug", [None, "slot_shift"])
+def test_acceptance_estimate_walks_the_blocks_vllm_would_draft(bug, monkeypatch):
+    """Sequences are built step by step the way greedy verification goes: at each anchor the
+    block is computed as vLLM serves it (`_served_block`), the next r tokens are set to its
+    first r proposals and the one after to something else, r drawn at random. The estimate must
+    find exactly those accepted lengths. Planted: slots read one position off."""
+    from codraft.learner import acceptance
+
+    cfg, k = _tiny(), 3
+    draft = _draft(cfg, seed=5)
+    if bug == "slot_shift":
+        real = acceptance._block_hits
+
+        def shifted(d, packed, kk, chunk=1024):
+            return torch.roll(real(d, packed, kk, chunk), 1, dims=0)
+
+        monkeypatch.setattr(acceptance, "_block_hits", shifted)
+    samples, (want_steps, want_emitted, want_pos) = greedy_walk(
+        cfg, k, lambda ids, taps, a: _served_block(draft, ids, taps, a).argmax(-1)[1 : k + 1]
+    )
     report = acceptance.estimate_acceptance(draft, None, samples, k=k)
     got = (report.steps, report.emitted, report.accepted_per_pos)
     if bug is None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_dflash import _served_block
+from test_dflash import _served_block, greedy_walk
 from test_dflash import _tiny as dflash_tiny
 
 from codraft.draft.checkpoint import (
@@ -239,37 +239,16 @@ def _vllm_proposals(draft: DSparkDraft, ids, taps, a: int, k: int) -> list[int]:
 
 @pytest.mark.parametrize("bug", [None, _plant_markov_sees_another_token, _plant_dflash_slots])
 def test_acceptance_estimate_walks_the_proposals_vllm_would_make(bug, monkeypatch):
-    """Sequences are built step by step as greedy verification goes: at each anchor the
-    proposals are made as vLLM's speculator makes them, the next r tokens are set to the first
-    r and the one after to something else, r drawn at random. The estimate must find exactly
-    those accepted lengths."""
+    """Sequences built step by step as greedy verification goes (test_dflash.greedy_walk), the
+    proposals made as vLLM's DSpark speculator makes them: the estimate must find exactly those
+    accepted lengths."""
     from codraft.learner import acceptance
-    from codraft.learner.data.packing import Sample
 
     cfg, k = _tiny(), 3
     draft = _draft(cfg, seed=5)
-    g = torch.Generator().manual_seed(11)
-    samples, want_steps, want_emitted, want_pos = [], 0, 0, [0] * k
-    for length, prompt in ((40, 5), (33, 9)):
-        ids = torch.randint(0, cfg.vocab_size, (length,), generator=g)
-        taps = torch.randn(length, cfg.num_taps * cfg.hidden_size, generator=g, dtype=torch.float64)
-        i = prompt - 1
-        while i + 2 <= length - 1:
-            with torch.no_grad():
-                props = _vllm_proposals(draft, ids, taps, i + 1, k)
-            remaining = length - 1 - (i + 1)
-            r = min(int(torch.randint(0, k + 1, (), generator=g)), remaining)
-            ids[i + 2 : i + 2 + r] = torch.tensor(props[:r], dtype=ids.dtype)
-            if r < min(k, remaining):  # the proposal after the accepted ones must lose
-                ids[i + 2 + r] = (props[r] + 1) % cfg.vocab_size
-            for d in range(r):
-                want_pos[d] += 1
-            want_steps += 1
-            want_emitted += min(r + 1, remaining)
-            i += min(r + 1, remaining)
-        mask = torch.zeros(length, dtype=torch.uint8)
-        mask[prompt:] = 1
-        samples.append(Sample(ids, mask, taps=taps, last_hidden=torch.zeros(length, 32)))
+    samples, (want_steps, want_emitted, want_pos) = greedy_walk(
+        cfg, k, lambda ids, taps, a: _vllm_proposals(draft, ids, taps, a, k)
+    )
     if bug is not None:
         bug(monkeypatch)
     report = acceptance.estimate_acceptance(draft, None, samples, k=k)
