@@ -31,6 +31,9 @@ _DTYPES = {
         "bool", "float8_e4m3fn", "float8_e5m2",
     )
 }  # fmt: skip
+# reduce_tensor names the tensor's TypedStorage; the rebuild reads either the same way, and
+# TypedStorage is what it is given back (its IPC class methods are the ones torch calls)
+_STORAGES = (torch.storage.TypedStorage, torch.UntypedStorage)
 _BYTES = ("handle", "ref_counter_handle", "event_handle")
 _INTS = ("offset", "device", "storage_size", "storage_offset", "ref_counter_offset")
 _FIELDS = frozenset(("size", "stride", "requires_grad", "event_sync_required", *_BYTES, *_INTS))
@@ -52,8 +55,8 @@ def encode_args(args: tuple) -> dict[str, Any]:
      requires_grad, ref_handle, ref_offset, event_handle, event_sync) = args  # fmt: skip
     if cls is not torch.Tensor and cls is not torch.nn.Parameter:
         raise HandleError(f"tensor class {cls!r}: only torch.Tensor and Parameter travel")
-    if storage_cls is not torch.UntypedStorage:
-        raise HandleError(f"storage class {storage_cls!r}: only torch.UntypedStorage travels")
+    if storage_cls not in _STORAGES:
+        raise HandleError(f"storage class {storage_cls!r}: only {_STORAGES} travel")
     name = str(dtype).removeprefix("torch.")
     if _DTYPES.get(name) is not dtype:
         raise HandleError(f"dtype {dtype}: not one of {sorted(_DTYPES)}")
@@ -113,7 +116,7 @@ def decode_args(d: Any) -> tuple:
             raise HandleError(f"{key} must be true or false, got {d[key]!r}")
     return (
         torch.Tensor, torch.Size(_ints(d, "size")), tuple(_ints(d, "stride")), _int(d, "offset"),
-        torch.UntypedStorage, dtype, _int(d, "device"), _bytes(d, "handle"),
+        torch.storage.TypedStorage, dtype, _int(d, "device"), _bytes(d, "handle"),
         _int(d, "storage_size"), _int(d, "storage_offset"), d["requires_grad"],
         _bytes(d, "ref_counter_handle", optional=True), _int(d, "ref_counter_offset"),
         _bytes(d, "event_handle", optional=True), d["event_sync_required"],

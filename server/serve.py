@@ -402,7 +402,8 @@ class ServeProcess:
         return f"http://127.0.0.1:{port}"
 
     def log_tail(self, chars: int = 6000) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_bytes()[-chars:].decode(errors="replace")
 
     def wait_ready(self, timeout: float = 300.0) -> None:

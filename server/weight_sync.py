@@ -4,7 +4,8 @@ RL trainers push policy weights into a running vLLM with vLLM's own routes (TRL'
 trainer, vLLM's `HTTPVLLMWeightSyncClient`): `/init_weight_transfer_engine`,
 `/start_weight_update`, `/update_weights`, `/finish_weight_update`, `/start_draft_weight_update`
 for the draft, `/pause`, `/resume`, `/is_paused`, and for colocated RL `/sleep`, `/wake_up`,
-`/is_sleeping`. vLLM mounts them only in its development mode, next to routes that run
+`/is_sleeping`, with `/server_info` and `/reset_prefix_cache`, which TRL's client also calls.
+vLLM mounts them only in its development mode, next to routes that run
 arbitrary RPCs; codraft serves them itself, with the same paths and bodies, behind the control
 token, and keeps what it owns consistent with them (`codraft.server.transfer`):
 
@@ -52,11 +53,14 @@ BACKENDS = ("ipc", "nccl")
 SMALL_PATHS = frozenset(
     {
         "/init_weight_transfer_engine", "/start_weight_update", "/start_draft_weight_update",
-        "/finish_weight_update", "/pause", "/resume", "/sleep", "/wake_up",
+        "/finish_weight_update", "/pause", "/resume", "/sleep", "/wake_up", "/reset_prefix_cache",
     }
 )  # fmt: skip
 UPDATE_PATH = "/update_weights"
-SYNC_PATHS = SMALL_PATHS | {UPDATE_PATH, "/is_paused", "/is_sleeping", "/get_world_size"}
+SYNC_PATHS = SMALL_PATHS | {
+    UPDATE_PATH, "/is_paused", "/is_sleeping", "/get_world_size", "/server_info",
+    "/reset_prefix_cache",
+}  # fmt: skip
 SMALL_BODY_BYTES = 64 << 10
 UPDATE_BODY_BYTES = 16 << 20
 PICKLED = "ipc_handles_pickled"
@@ -84,6 +88,14 @@ class SleepingReply(_Reply):
 
 class WorldSizeReply(_Reply):
     world_size: int
+
+
+class ServerInfoReply(_Reply):
+    vllm_config: dict[str, Any] | str
+
+
+class ResetReply(_Reply):
+    success: bool
 
 
 def _pickled(value: Any) -> bool:
@@ -328,6 +340,29 @@ def weight_sync_router(
         parallel = engine.vllm_config.parallel_config
         size = parallel.world_size_across_dp if include_dp else parallel.world_size
         return {"world_size": size}
+
+    @r.get("/server_info", **_documented(ServerInfoReply))
+    async def server_info(
+        config_format: Annotated[Literal["text", "json"], Query()] = "text",
+    ) -> dict:
+        """The engine's resolved configuration, as vLLM's development route gives it (TRL's
+        client reads the dtype and the weight-transfer backend here); without vLLM's
+        environment and system dumps, which this route has no business publishing."""
+        config = engine.vllm_config
+        if config_format == "text":
+            return {"vllm_config": str(config)}
+        import pydantic
+        from vllm.config import VllmConfig
+
+        dump = pydantic.TypeAdapter(VllmConfig).dump_python(config, mode="json", fallback=str)
+        return {"vllm_config": dump}
+
+    @r.post("/reset_prefix_cache", **_documented(ResetReply))
+    async def reset_prefix_cache() -> dict:
+        """Drop the prefix cache (trainers call it after a weight update; codraft already
+        does at every finish)."""
+        ok = await sync._call("reset_prefix_cache", engine.reset_prefix_cache)
+        return {"success": ok is not False}
 
     return r
 

@@ -753,11 +753,13 @@ SYNC_ROUTES = [
     ("POST", "/wake_up", None),
     ("GET", "/is_sleeping", None),
     ("GET", "/get_world_size", None),
+    ("GET", "/server_info", None),
+    ("POST", "/reset_prefix_cache", None),
 ]
 
 
 def _sync(server: ServeProcess, path: str, body: Any = None, **params: Any) -> httpx.Response:
-    method = "GET" if path.startswith(("/is_", "/get_")) else "POST"
+    method = "GET" if path.startswith(("/is_", "/get_", "/server_info")) else "POST"
     return httpx.request(
         method, server.control_url + path, json=body, params=params, headers=AUTH, timeout=120
     )
@@ -814,6 +816,14 @@ def test_weight_sync_routes_need_the_token_and_say_what_cannot_run_here(
     assert r.status_code == 409 and "no weight transfer is open" in r.json()["detail"], r.text
     assert _sync(server, "/get_world_size").json() == {"world_size": 1}
     assert _sync(server, "/sleep", level=3).status_code == 422
+    # what TRL's client reads before it syncs: the dtype and the weight-transfer backend
+    info = _sync(server, "/server_info", config_format="json").json()["vllm_config"]
+    # ipc is served by codraft_ipc: vLLM's IPC engine reading JSON handles (no pickle)
+    assert info["weight_transfer_config"] == {"backend": "codraft_ipc"}
+    assert info["model_config"]["dtype"].removeprefix("torch.") == "float32", info["model_config"]
+    assert isinstance(_sync(server, "/server_info").json()["vllm_config"], str)
+    assert set(_sync(server, "/server_info").json()) == {"vllm_config"}  # no env dumps
+    assert _sync(server, "/reset_prefix_cache").json() == {"success": True}
     schema = httpx.get(f"{server.control_url}/openapi.json", timeout=30).json()
     op = schema["paths"]["/start_weight_update"]["post"]
     assert op["security"] == [{"controlToken": []}], op

@@ -9,6 +9,8 @@ statuses with their message."""
 
 from __future__ import annotations
 
+import importlib
+import sys
 from typing import Any
 
 import pytest
@@ -148,7 +150,7 @@ def _args() -> tuple:
     import torch
 
     return (
-        torch.Tensor, torch.Size([4, 8]), (8, 1), 0, torch.UntypedStorage, torch.bfloat16, 0,
+        torch.Tensor, torch.Size([4, 8]), (8, 1), 0, torch.storage.TypedStorage, torch.bfloat16, 0,
         b"\x00cuda-ipc-handle\xff" * 4, 64, 128, False, b"ref-counter", 16, None, True,
     )  # fmt: skip
 
@@ -163,6 +165,13 @@ def test_ipc_handles_travel_as_json_and_come_back_as_vllm_reads_them() -> None:
     assert decode_handles(wire) == handles
     packed = {"GPU-1234": _args()}
     assert decode_handles(json.loads(json.dumps(encode_handles(packed)))) == packed
+    # reduce_tensor names the tensor's typed storage (torch 2.11 and 2.13 alike); an untyped
+    # one is read the same way by the rebuild, and comes back typed
+    import torch
+
+    assert type(torch.zeros(2)._typed_storage()) is torch.storage.TypedStorage
+    untyped = _args()[:4] + (torch.UntypedStorage,) + _args()[5:]
+    assert decode_handles(encode_handles([{"g": untyped}])) == [{"g": _args()}]
 
 
 @pytest.mark.parametrize(
@@ -306,3 +315,32 @@ def test_a_sleep_keeps_the_draft_on_the_host_and_wake_up_installs_it() -> None:
     transfers.wake(e, ["weights"])
     for k, v in drafter.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_the_ipc_engine_imports_without_a_package_it_needs_only_on_the_trainer_side(
+    tmp_path, monkeypatch
+) -> None:
+    """vLLM 0.26's IPC engine imports ray at the top for a trainer-side mode; a server without
+    ray still gets the engine, the placeholder raises on use, and no other import sees it."""
+    from codraft.server.ipc_json import import_without
+
+    pkg = tmp_path / "needs_absent"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine.py").write_text(
+        "import codraft_absent_pkg\nVALUE = 7\n\ndef trainer_mode():\n"
+        "    return codraft_absent_pkg.get(1)\n"
+    )
+    (pkg / "broken.py").write_text("import codraft_other_absent\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("needs_absent.engine")
+    module = import_without("needs_absent.engine", "codraft_absent_pkg")
+    assert module.VALUE == 7
+    assert "codraft_absent_pkg" not in sys.modules
+    with pytest.raises(ModuleNotFoundError, match="codraft_absent_pkg.get"):
+        module.trainer_mode()
+    with pytest.raises(ModuleNotFoundError):  # another missing package is not hidden
+        importlib.import_module("codraft_absent_pkg")
+    with pytest.raises(ModuleNotFoundError, match="codraft_other_absent"):
+        import_without("needs_absent.broken", "codraft_absent_pkg")

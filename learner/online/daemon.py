@@ -515,6 +515,7 @@ class OnlineLearner:
         self.metrics.tap_accepted.set(st.accepted)
         self.metrics.ingested_tokens.set(st.accepted_tokens)
         self.metrics.buffer_fill.set(self.buffer.tokens / max(1, self.cfg.buffer.max_tokens))
+        self.metrics.policy_version.set(self.buffer.newest_policy)
         self.metrics.policy_lag.set(self.buffer.newest_policy - self._saved_policy)
         for reason, n in st.rejected.items():
             self.metrics.tap_rejected.labels(reason=reason).set(n)

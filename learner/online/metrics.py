@@ -57,6 +57,11 @@ class LearnerMetrics:
         self.buffer_fill = Gauge(
             "codraft_learner_buffer_fill", "buffered tokens / the buffer's bound", registry=r
         )
+        self.policy_version = Gauge(
+            "codraft_learner_policy_version",
+            "newest policy version in the data the learner has taken in",
+            registry=r,
+        )
         self.policy_lag = Gauge(
             "codraft_learner_policy_lag",
             "newest policy version seen minus the newest in the last checkpoint's data",

@@ -6,9 +6,10 @@ holds the served model's weights as CUDA tensors and pushes them through the pro
 with `codraft.client.weight_sync`. Measured and checked, in one server:
 
 1. policy push: a new policy (every decoder weight perturbed by --noise of its own std, seeded)
-   pushed by IPC as policy v1: greedy outputs change, the policy version moves; the same
-   weights then loaded from disk as v2 (written as a served folder, `POST /v1/policy`): greedy
-   outputs identical to v1's (the IPC path moved exactly those weights). Time of each path.
+   pushed by IPC as policy v1: greedy outputs change, the policy version moves (responses, and
+   the learner: `codraft learn` on the tap stream reports the newest policy of its data); the
+   same weights then loaded from disk as v2 (written as a served folder, `POST /v1/policy`):
+   greedy outputs identical to v1's (the IPC path moved exactly those weights). Time of each.
 2. sleep: the held-out prompts before and after sleep level 1 + wake, and level 2 + wake of
    the weights, the policy pushed again (what RL trainers do after level 2), wake of the KV
    cache: acceptance (vLLM's counters) and outputs per phase; equal when the draft survived.
@@ -17,8 +18,14 @@ with `codraft.client.weight_sync`. Measured and checked, in one server:
 
     .gpu_venv/bin/python scripts/gpu_vllm/weight_sync.py --work runs/gpu_work/ws --out "$OUT" \\
         --draft runs/gpu_drafts/dflash       # a trained draft makes the sleep check meaningful
+    .gpu_venv/bin/python scripts/gpu_vllm/weight_sync.py --target 8b-geometry --out "$OUT"
 
-Writes $OUT/weight_sync.json. Exit status 0 when every check held.
+`--target 8b-geometry`: step 1 alone (timing), on a policy of Llama-3-8B's shape (32 layers,
+hidden 4096, MLP 14336, 32/8 heads; SmolLM2's tokenizer and vocabulary, 7.4 B parameters,
+bfloat16) with random weights, written here first: what an 8B trainer moves every step.
+
+Writes $OUT/weight_sync.json (weight_sync_8b.json for the 8B geometry). Exit status 0 when
+every check held.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import json
 import re
 import secrets
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,21 +59,71 @@ def _counters(metrics_text: str) -> tuple[float, float]:
 
 class Stack:
     def __init__(self, args: argparse.Namespace, model: Path, work: Path) -> None:
-        from codraft.server.serve import ServeProcess
+        from codraft.server.serve import ServeProcess, free_port
 
         self.token = secrets.token_hex(16)
         (work / "token").write_text(self.token)
+        self.tap = f"tcp://127.0.0.1:{free_port()}"
         argv = [
             "--model", str(model), "--dtype", "bfloat16", "--max-model-len", "2048",
             "--weight-transfer", "ipc", "--control-token-file", str(work / "token"),
             "--work-dir", str(work / "serve"), "--num-speculative-tokens", str(args.k),
             "--gpu-memory-utilization", str(args.gpu_memory), "--enable-sleep-mode",
-            *(["--draft", args.draft] if args.draft else []),
+            "--tap-endpoint", self.tap, *(["--draft", args.draft] if args.draft else []),
         ]  # fmt: skip
         self.server = ServeProcess.start(argv, work / "serve.log")
         self.server.wait_ready(timeout=900)
         self.model = str(model)
         self.auth = {"Authorization": f"Bearer {self.token}"}
+        self.work = work
+        archs = json.loads((Path(args.draft) / "config.json").read_text())["architectures"] if (
+            args.draft
+        ) else []  # fmt: skip
+        self.drafter = "dflash" if any("DFlash" in a for a in archs) else "eagle3"
+        self.learner: subprocess.Popen | None = None
+        self.learner_port = 0
+
+    def start_learner(self) -> None:
+        """`codraft learn` on the tap stream, taking data in but never training or publishing
+        (its buffer never fills): what it says of the newest policy is what the check reads."""
+        from codraft.server.serve import free_port
+
+        self.learner_port = free_port()
+        argv = [
+            "learn", "--server", self.server.control_url, "--tap", self.tap, "--target",
+            self.model, "--out", str(self.work / "learner"), "--token-file",
+            str(self.work / "token"), "--http-port", str(self.learner_port),
+            "--min-buffer-tokens", str(10**9), "--publish-every", str(10**9),
+            "--drafter", self.drafter,
+        ]  # fmt: skip
+        log = open(self.work / "learner.log", "wb")  # noqa: SIM115 (lives with the process)
+        self.learner = subprocess.Popen(
+            [sys.executable, "-m", "codraft.cli", *argv], stdout=log, stderr=subprocess.STDOUT
+        )
+
+    def learner_policy(self, want: int, timeout: float = 120.0) -> float | None:
+        """The learner's newest policy version once it reads `want` (or the last read)."""
+        seen, deadline = None, time.monotonic() + timeout
+        while time.monotonic() < deadline and self.learner and self.learner.poll() is None:
+            try:
+                text = httpx.get(f"http://127.0.0.1:{self.learner_port}/metrics", timeout=5).text
+                m = re.search(r"^codraft_learner_policy_version (\S+)$", text, re.M)
+                seen = float(m.group(1)) if m else seen
+                if seen == want:
+                    return seen
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        return seen
+
+    def stop_learner(self) -> None:
+        if self.learner is not None and self.learner.poll() is None:
+            self.learner.send_signal(signal.SIGTERM)
+            try:
+                self.learner.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.learner.kill()
+        self.learner = None
 
     def control(self, method: str, path: str, **kw: Any) -> dict:
         r = httpx.request(method, self.server.control_url + path, headers=self.auth,
@@ -127,6 +186,52 @@ def _perturbed(weights: dict[str, Any], noise: float, seed: int) -> dict[str, An
     return out
 
 
+GEOMETRY_8B = {
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "tie_word_embeddings": False, "rope_parameters": {"rope_theta": 500000.0,
+                                                      "rope_type": "default"},
+    "dtype": "bfloat16", "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def write_8b_geometry(smollm2: Path, folder: Path, seed: int = 0) -> Path:
+    """A Llama model folder of Llama-3-8B's shape with SmolLM2's tokenizer, random weights
+    (std 0.02, norms 1) in bfloat16 shards of one layer group each."""
+    import torch
+    from safetensors.torch import save_file
+
+    shutil.copytree(smollm2, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config.update(GEOMETRY_8B)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    h, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape: int) -> Any:
+        return (0.02 * torch.randn(shape, generator=g, device="cuda")).to(torch.bfloat16).cpu()
+
+    layers = config["num_hidden_layers"]
+    shards = [{"model.embed_tokens.weight": rnd(v, h), "lm_head.weight": rnd(v, h),
+               "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}]  # fmt: skip
+    for i in range(layers):
+        if i % 4 == 0:
+            shards.append({})
+        pre = f"model.layers.{i}."
+        shards[-1].update({
+            pre + "self_attn.q_proj.weight": rnd(h, h), pre + "self_attn.k_proj.weight": rnd(kv, h),
+            pre + "self_attn.v_proj.weight": rnd(kv, h), pre + "self_attn.o_proj.weight": rnd(h, h),
+            pre + "mlp.gate_proj.weight": rnd(f, h), pre + "mlp.up_proj.weight": rnd(f, h),
+            pre + "mlp.down_proj.weight": rnd(h, f),
+            pre + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            pre + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+        })  # fmt: skip
+    for n, shard in enumerate(shards):
+        save_file(shard, str(folder / f"model-{n:05d}-of-{len(shards):05d}.safetensors"))
+    return folder
+
+
 def push(sync: Any, weights: dict[str, Any], version: int, draft: bool = False,
          chunk: int = 64) -> float:  # fmt: skip
     from codraft.client.weight_sync import ipc_update_info
@@ -144,12 +249,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--work", default="runs/gpu_work/weight_sync")
     p.add_argument("--out", required=True)
+    p.add_argument("--target", choices=("smollm2", "8b-geometry"), default="smollm2")
     p.add_argument("--draft", default=None, help="a trained draft folder (default: untrained)")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--noise", type=float, default=0.05)
     p.add_argument("--gpu-memory", type=float, default=0.3)
+    p.add_argument("--no-learner", action="store_true", help="skip the learner's check")
     args = p.parse_args()
     from make_prompts import load_prompts
 
@@ -160,21 +267,37 @@ def main() -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     out.mkdir(parents=True, exist_ok=True)
+    big = args.target == "8b-geometry"
+    report: dict[str, Any] = {"target": args.target, "draft": args.draft, "checks": {}}
     model = resolve_model("smollm2")
+    if big:
+        t0 = time.perf_counter()
+        model = write_8b_geometry(model, work / "policy-v0")
+        report["write_8b_s"] = time.perf_counter() - t0
+        import torch
+
+        torch.cuda.empty_cache()
     prompts = load_prompts()["heldout"][: args.prompts]
-    report: dict[str, Any] = {"prompts": len(prompts), "max_tokens": args.max_tokens,
-                              "draft": args.draft, "checks": {}}  # fmt: skip
+    report.update(prompts=len(prompts), max_tokens=args.max_tokens)
     checks = report["checks"]
     stack = Stack(args, model, work)
     try:
         sync = WeightSyncClient(stack.server.control_url, token=stack.token)
         sync.init({})
+        learner = not (big or args.no_learner)
+        if learner:
+            stack.start_learner()
         base = _weights(model)
         v0 = stack.generate(prompts, args.max_tokens)
+        if learner:
+            report["learner_policy_v0"] = stack.learner_policy(0)
         # 1. a new policy by IPC, then the same weights from disk
         new = _perturbed(base, args.noise, seed=1)
+        del base
         ipc_s = push(sync, new, version=1)
         v1 = stack.generate(prompts, args.max_tokens)
+        if learner:
+            report["learner_policy_v1"] = stack.learner_policy(1)
         folder = work / "policy-v1"
         shutil.copytree(model, folder, ignore=shutil.ignore_patterns("*.safetensors"))
         t0 = time.perf_counter()
@@ -186,66 +309,84 @@ def main() -> int:
         stack.control("POST", "/v1/policy", json={"version": 2, "path": str(folder)})
         load_s = time.perf_counter() - t1
         v2 = stack.generate(prompts, args.max_tokens)
+        if learner:
+            report["learner_policy_v2"] = stack.learner_policy(2)
+            stack.stop_learner()
         report["policy_push"] = {
             "tensors": len(new), "bytes": sum(t.numel() * t.element_size() for t in new.values()),
             "ipc_s": ipc_s, "disk_write_s": write_s, "disk_load_s": load_s,
+            "disk_over_ipc": (write_s + load_s) / ipc_s,
             "outputs_changed": sum(
                 a != b for a, b in zip(v0["token_ids"], v1["token_ids"], strict=True)
             ),
             "acceptance": {"v0": v0["acceptance_length"], "v1": v1["acceptance_length"],
                            "v2": v2["acceptance_length"]},
         }  # fmt: skip
-        checks["policy_version_moves"] = v1["policy_versions"] == ["1"] and v2[
-            "policy_versions"
-        ] == ["2"]  # noqa: E501
+        checks["policy_version_moves"] = (v1["policy_versions"], v2["policy_versions"]) == (
+            ["1"], ["2"],
+        )  # fmt: skip
         checks["outputs_change_with_the_policy"] = report["policy_push"]["outputs_changed"] > 0
         checks["ipc_and_disk_give_the_same_outputs"] = v1["token_ids"] == v2["token_ids"]
-        # 2. sleep: level 1, then level 2 with the policy pushed back
-        phases = {"before": stack.generate(prompts, args.max_tokens)}
-        stack.control("POST", "/sleep", params={"level": 1})
-        stack.control("POST", "/wake_up")
-        phases["after_level_1"] = stack.generate(prompts, args.max_tokens)
-        stack.control("POST", "/sleep", params={"level": 2})
-        stack.control("POST", "/wake_up", params={"tags": "weights"})
-        push(sync, new, version=3)  # level 2 discarded the weights: the trainer sends them
-        stack.control("POST", "/wake_up", params={"tags": "kv_cache"})
-        phases["after_level_2"] = stack.generate(prompts, args.max_tokens)
-        report["sleep"] = {k: {"acceptance_length": v["acceptance_length"],
-                               "draft_versions": v["draft_versions"], "seconds": v["seconds"]}
-                           for k, v in phases.items()}  # fmt: skip
-        ref = phases["before"]
-        for name in ("after_level_1", "after_level_2"):
-            checks[f"{name}_same_outputs"] = phases[name]["token_ids"] == ref["token_ids"]
-            checks[f"{name}_same_acceptance"] = (
-                phases[name]["acceptance_length"] == ref["acceptance_length"]
-            )
-        # 3. the serving draft pushed back as a new draft version, then rolled back
-        draft_before = stack.control("GET", "/v1/draft")
-        if args.draft:
-            from safetensors.torch import load_file
-
-            dw = {
-                k: v.cuda()
-                for k, v in load_file(str(Path(args.draft) / "model.safetensors")).items()
-            }  # noqa: E501
-            new_version = draft_before["highest_version"] + 1
-            report["draft_push_s"] = push(sync, dw, version=new_version, draft=True)
-            after = stack.generate(prompts, args.max_tokens)
-            checks["draft_push_keeps_outputs"] = after["token_ids"] == ref["token_ids"]
-            checks["draft_push_keeps_acceptance"] = (
-                after["acceptance_length"] == ref["acceptance_length"]
-            )
-            checks["draft_version_moves"] = after["draft_versions"] == [str(new_version)]
-            back = stack.control("POST", "/v1/draft/rollback", json={"reason": "check"})
-            checks["rollback_to_the_draft_before"] = back["version"] == draft_before["version"]
+        if learner:
+            checks["the_learner_sees_each_policy"] = [
+                report[f"learner_policy_v{i}"] for i in range(3)
+            ] == [0, 1, 2]
+        if not big:
+            sleep_and_draft(stack, sync, args, prompts, new, report)
         sync.close()
     finally:
+        stack.stop_learner()
         stack.server.stop()
         report["server_log_tail"] = stack.server.log_tail(4000)
+        if (work / "learner.log").is_file():
+            report["learner_log_tail"] = (work / "learner.log").read_text()[-2000:]
     report["ok"] = all(checks.values())
-    (out / "weight_sync.json").write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: v for k, v in report.items() if k != "server_log_tail"}, indent=2))
+    name = "weight_sync_8b.json" if big else "weight_sync.json"
+    (out / name).write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if not k.endswith("log_tail")}, indent=2))
     return 0 if report["ok"] else 1
+
+
+def sleep_and_draft(
+    stack: Stack, sync: Any, args: argparse.Namespace, prompts: list[str], new: dict,
+    report: dict,
+) -> None:  # fmt: skip
+    """2. sleep level 1, then level 2 with the policy pushed back; 3. a draft push, rollback."""
+    checks = report["checks"]
+    phases = {"before": stack.generate(prompts, args.max_tokens)}
+    stack.control("POST", "/sleep", params={"level": 1})
+    stack.control("POST", "/wake_up")
+    phases["after_level_1"] = stack.generate(prompts, args.max_tokens)
+    stack.control("POST", "/sleep", params={"level": 2})
+    stack.control("POST", "/wake_up", params={"tags": "weights"})
+    push(sync, new, version=3)  # level 2 discarded the weights: the trainer sends them
+    stack.control("POST", "/wake_up", params={"tags": "kv_cache"})
+    phases["after_level_2"] = stack.generate(prompts, args.max_tokens)
+    report["sleep"] = {k: {"acceptance_length": v["acceptance_length"],
+                           "draft_versions": v["draft_versions"], "seconds": v["seconds"]}
+                       for k, v in phases.items()}  # fmt: skip
+    ref = phases["before"]
+    for name in ("after_level_1", "after_level_2"):
+        checks[f"{name}_same_outputs"] = phases[name]["token_ids"] == ref["token_ids"]
+        checks[f"{name}_same_acceptance"] = (
+            phases[name]["acceptance_length"] == ref["acceptance_length"]
+        )
+        checks[f"{name}_same_draft"] = phases[name]["draft_versions"] == ref["draft_versions"]
+    # 3. the serving draft pushed back as a new draft version, then rolled back
+    if not args.draft:
+        return
+    from safetensors.torch import load_file
+
+    draft_before = stack.control("GET", "/v1/draft")
+    dw = {k: v.cuda() for k, v in load_file(str(Path(args.draft) / "model.safetensors")).items()}
+    new_version = draft_before["highest_version"] + 1
+    report["draft_push_s"] = push(sync, dw, version=new_version, draft=True)
+    after = stack.generate(prompts, args.max_tokens)
+    checks["draft_push_keeps_outputs"] = after["token_ids"] == ref["token_ids"]
+    checks["draft_push_keeps_acceptance"] = after["acceptance_length"] == ref["acceptance_length"]
+    checks["draft_version_moves"] = after["draft_versions"] == [str(new_version)]
+    back = stack.control("POST", "/v1/draft/rollback", json={"reason": "check"})
+    checks["rollback_to_the_draft_before"] = back["version"] == draft_before["version"]
 
 
 if __name__ == "__main__":
