@@ -78,6 +78,17 @@ def derived_tensors(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor
     return [(m, a, t) for m in model.modules() for a, t in _derived(m).items()]
 
 
+def rebuild_from_layers(model: nn.Module) -> None:
+    """Let vLLM's DFlash model derive again, from its layers as they are now, what it keeps
+    outside them (`_build_fused_kv_buffers`: the fused K/V weight, the stacked K-norm weights,
+    its reference to the RoPE table). Its reload runs that rebuild while the layers still hold
+    the reload's placeholders (meta tensors on CUDA), so after a reload through vLLM's own
+    weight-update routes it must run again; a no-op for drafters without it."""
+    for module in model.modules():
+        if hasattr(module, "_build_fused_kv_buffers"):
+            module._build_fused_kv_buffers()
+
+
 def rebuild_derived(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """Write the derived tensors of `weights` (checkpoint names) into the live drafter, as its
     `_build_fused_kv_buffers` stacks them (per layer the K rows then the V rows of qkv_proj,
@@ -85,9 +96,7 @@ def rebuild_derived(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
     `load_weights`, whose own rebuild reads the layers' weights while they are still the
     reload's placeholders (on CPU the fused weight comes out empty): this is its repair.
     Raises StageError when the checkpoint or the drafter does not fit that layout."""
-    for module in model.modules():  # first what the rebuild derives from the modules (rope
-        if hasattr(module, "_build_fused_kv_buffers"):  # tables, attention layers)
-            module._build_fused_kv_buffers()
+    rebuild_from_layers(model)  # first what it derives from the modules (rope tables, layers)
     for module, name, live in derived_tensors(model):
         n = len(getattr(module, "layers", ()))
         try:
@@ -295,8 +304,17 @@ def install(state: KernelState) -> None:
         for k in state.layers:
             live = _own_tensors(k.layer)
             for name, t in k.tensors.items():
-                live[name].data.copy_(t)
+                if live[name].is_meta:  # a reload left a placeholder: the copy takes its place
+                    if name in k.layer._parameters:
+                        k.layer._parameters[name] = nn.Parameter(t.clone(), requires_grad=False)
+                    else:
+                        k.layer._buffers[name] = t.clone()
+                else:
+                    live[name].data.copy_(t)
             for name, value in k.attrs.items():
                 k.layer.__dict__[name] = value
         for module, name, t in state.derived:
-            module.__dict__[name].copy_(t)
+            if module.__dict__[name].is_meta:
+                module.__dict__[name] = t.clone()
+            else:
+                module.__dict__[name].copy_(t)

@@ -11,8 +11,9 @@ session with two RPCs of the worker extension, which call into this module:
   or refused transfer goes back to and a later rollback installs.
 - `end(ok, version)` after vLLM's finish (or after any failure, with ok False): a policy
   session makes `version` the serving policy, exactly as `POST /v1/policy` does (taps, stats
-  and response headers carry it from then on). A draft session checks the weights that arrived
-  (every drafter tensor finite) and makes them draft `version`, the snapshot its previous draft
+  and response headers carry it from then on). A draft session lets vLLM's DFlash model derive
+  its fused tensors again from the layers that arrived (`rebuild_from_layers`), checks every
+  drafter tensor (loaded, finite) and makes them draft `version`, the snapshot its previous draft
   (rollback goes back to it); weights that fail the check, or a session that failed, put the
   snapshot back. While a session is open, codraft's own draft swaps and policy loads answer 409.
 
@@ -30,7 +31,12 @@ from typing import Any
 
 import torch
 
-from codraft.server.draft_kernels import KernelState, install, snapshot_live
+from codraft.server.draft_kernels import (
+    KernelState,
+    install,
+    rebuild_from_layers,
+    snapshot_live,
+)
 from codraft.server.hooks import drafter_model, target_model
 from codraft.server.weights import DraftSlot, PolicySlot, SwapError, utc_now
 
@@ -102,6 +108,7 @@ class Transfers:
             self.failed[s.kind] += 1
             if s.snapshot is not None:
                 install(s.snapshot)
+                rebuild_from_layers(drafter_model(e.runner))
                 log.warning("codraft: draft weight transfer failed; draft v%d restored",
                             e.current.version)  # fmt: skip
                 return {"ok": True, "restored": True, "draft": e.info()["draft"]}
@@ -114,14 +121,22 @@ class Transfers:
             log.info("codraft: policy v%d arrived by weight transfer", version)
             return {"ok": True, "policy": e.policy.info(), "reset_prefix_cache": True}
         assert s.snapshot is not None
-        bad = nonfinite_tensors(drafter_model(e.runner))
+        model = drafter_model(e.runner)
+        bad = unusable_tensors(model, attributes=False)  # the layers first: the rebuild reads them
+        if not bad:
+            try:
+                rebuild_from_layers(model)
+            except RuntimeError as err:
+                bad = [f"rebuilding the fused tensors failed ({err})"]
+            bad = bad or unusable_tensors(model)
         if bad:
             install(s.snapshot)
+            rebuild_from_layers(model)
             self.failed["draft"] += 1
             raise SwapError(
                 422,
-                f"the transferred draft weights hold NaN or Inf ({', '.join(bad[:5])}"
-                f"{', ...' if len(bad) > 5 else ''}); draft v{e.current.version} serves again",
+                f"the transferred draft is unusable: {', '.join(bad[:5])}"
+                f"{', ...' if len(bad) > 5 else ''}; draft v{e.current.version} serves again",
             )
         live = snapshot_live(drafter_model(e.runner), target_model(e.runner))
         old = e.current
@@ -181,11 +196,20 @@ class Transfers:
         return {"ok": True, "asleep": self.asleep is not None, "draft": e.info()["draft"]}
 
 
-def nonfinite_tensors(model: torch.nn.Module) -> list[str]:
-    """Names of the drafter's floating parameters and buffers holding NaN or Inf."""
+def unusable_tensors(model: torch.nn.Module, attributes: bool = True) -> list[str]:
+    """What a transfer left unusable in the drafter: parameters and buffers holding NaN or Inf
+    or still the reload's placeholders (meta), and tensors its modules keep beside them (the
+    DFlash model's fused weights and RoPE reference; `attributes`) on meta; each named with
+    its state."""
     bad = []
     with torch.inference_mode():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
-                bad.append(name)
+            if t.is_meta:
+                bad.append(f"{name} (not loaded)")
+            elif t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+                bad.append(f"{name} (NaN or Inf)")
+        for prefix, module in model.named_modules() if attributes else ():
+            for attr, t in vars(module).items():
+                if isinstance(t, torch.Tensor) and t.is_meta:
+                    bad.append(f"{prefix + '.' if prefix else ''}{attr} (not loaded)")
     return bad

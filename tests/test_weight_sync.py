@@ -344,3 +344,85 @@ def test_the_ipc_engine_imports_without_a_package_it_needs_only_on_the_trainer_s
         importlib.import_module("codraft_absent_pkg")
     with pytest.raises(ModuleNotFoundError, match="codraft_other_absent"):
         import_without("needs_absent.broken", "codraft_absent_pkg")
+
+
+class _Fused(__import__("torch").nn.Module):
+    """vLLM's DFlash model in miniature: layers, a RoPE table, and what it derives from them
+    outside the layers (`_build_fused_kv_buffers`), which its in-place reload rebuilds while
+    the layers are still meta placeholders."""
+
+    def __init__(self) -> None:
+        import torch
+
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4, bias=False) for _ in range(2))
+        self.rot = torch.nn.Module()
+        self.rot.register_buffer("cos_sin_cache", torch.arange(8.0))
+        self._build_fused_kv_buffers()
+
+    def _build_fused_kv_buffers(self) -> None:
+        import torch
+
+        self._fused_kv_weight = torch.cat([layer.weight for layer in self.layers])
+        self._rope_cos_sin_cache = self.rot.cos_sin_cache
+
+
+def _reload_placeholders(fused: _Fused) -> None:
+    """What vLLM 0.26's reload leaves when its rebuild ran on placeholders (seen on CUDA)."""
+    import torch
+
+    fused._fused_kv_weight = torch.empty(8, 4, device="meta")
+    fused._rope_cos_sin_cache = torch.empty(8, device="meta")
+
+
+def test_a_draft_transfer_rebuilds_what_the_dflash_model_derives_from_its_layers() -> None:
+    import torch
+
+    torch.manual_seed(0)
+    target = torch.nn.Embedding(10, 4)
+    fused = _Fused()
+    e, transfers, adopted = _worker(fused, target)
+    transfers.begin(e, "draft")
+    with torch.no_grad():
+        for layer in fused.layers:
+            layer.weight.mul_(3.0)  # the weights that arrived
+    _reload_placeholders(fused)
+    transfers.end(e, True)
+    assert len(adopted) == 1 and adopted[0][0].version == 4
+    want = torch.cat([layer.weight for layer in fused.layers])
+    assert torch.equal(fused._fused_kv_weight, want)  # from the new layers, not placeholders
+    assert fused._rope_cos_sin_cache is fused.rot.cos_sin_cache
+
+
+def test_a_draft_transfer_that_leaves_a_placeholder_is_refused_and_the_old_draft_serves(
+    monkeypatch,
+) -> None:
+    import torch
+
+    from codraft.server import transfer
+    from codraft.server.weights import SwapError
+
+    torch.manual_seed(0)
+    target = torch.nn.Embedding(10, 4)
+    fused = _Fused()
+    before = {k: v.clone() for k, v in fused.state_dict().items()}
+    e, transfers, adopted = _worker(fused, target)
+    transfers.begin(e, "draft")
+    fused.layers[1].weight = torch.nn.Parameter(torch.empty(4, 4, device="meta"))  # not sent
+    with pytest.raises(SwapError) as err:
+        transfers.end(e, True)
+    assert err.value.status == 422 and "layers.1.weight (not loaded)" in str(err.value)
+    for k, v in fused.state_dict().items():
+        assert not v.is_meta and torch.equal(v, before[k]), k  # the snapshot took its place
+    assert torch.equal(fused._fused_kv_weight, torch.cat([before["layers.0.weight"],
+                                                          before["layers.1.weight"]]))  # fmt: skip
+    assert adopted == [] and transfers.failed["draft"] == 1
+    # planted from here: without the rebuild the placeholders of vLLM's reload stay, and the
+    # check names them instead of serving a draft that crashes the engine at its next step
+    transfers.begin(e, "draft")
+    monkeypatch.setattr(transfer, "rebuild_from_layers", lambda model: None)
+    _reload_placeholders(fused)
+    with pytest.raises(SwapError) as err:
+        transfers.end(e, True)
+    assert "_rope_cos_sin_cache (not loaded)" in str(err.value)
+    assert "_fused_kv_weight (not loaded)" in str(err.value)
