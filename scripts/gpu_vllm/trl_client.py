@@ -11,18 +11,27 @@ group forms (two GPUs: trainer on one, engine on the other), it runs --steps GRP
 steps: TRL generates greedy completions, pushes a perturbed policy, and the policy version and
 outputs must move.
 
-    PYTHONPATH=/tmp/site .gpu_venv/bin/python scripts/gpu_vllm/trl_client.py --out "$OUT"
+    PYTHONPATH=/tmp/trl_site .gpu_venv/bin/python scripts/gpu_vllm/trl_client.py --out "$OUT"
 
-Writes $OUT/trl_client.json. Exit status 0 when every stage ran.
+The trainer runs in a child process on GPU 1 when there are two (GPU 0 otherwise), killed when
+it outlasts --trainer-timeout (NCCL's init cannot be interrupted). Writes $OUT/trl_client.json,
+every stage with its time or its error. Exit status 0 when every stage ran.
+
+Seen on one H200 (2026-12-04): connect, /server_info, /get_world_size and greedy generation
+through TRL's client answer; `init_communicator` fails: the engine's NCCL init returns
+"invalid usage" (trainer and engine worker would be two ranks of one communicator on one GPU,
+which NCCL refuses), the server answers 500, and TRL's side waits in its own NCCL init with no
+timeout. Two GPUs are what TRL's NCCL path needs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -33,46 +42,104 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # weight_sync, make_prompts
 
 
-def _stage(report: dict, name: str, fn: Any, timeout: float = 300.0) -> Any:
-    """Run one stage in a thread (NCCL cannot be interrupted): its result, or None with the
-    error (or the hang) recorded."""
-    box: dict[str, Any] = {}
+class Trainer:
+    """The trainer's side, in a child process (NCCL's init cannot be interrupted: the parent
+    kills the child when a stage outlasts its time). Every stage is written to the report as
+    it ends, so a kill leaves what ran."""
 
-    def run() -> None:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.report: dict[str, Any] = {"stages": {}, "steps": []}
+
+    def stage(self, name: str, fn: Any) -> Any:
+        self.report["next"] = name
+        self.save()
+        t0 = time.perf_counter()
+        entry: dict[str, Any] = {}
+        value = None
         try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 (recorded, the report says what broke)
-            box["error"] = f"{type(e).__name__}: {e}"
-            box["trace"] = traceback.format_exc()[-3000:]
+            value = fn()
+        except Exception as e:  # recorded: the report says what broke and how
+            entry.update(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-3000:])
+        entry["seconds"] = round(time.perf_counter() - t0, 3)
+        self.report["stages"][name] = entry
+        self.report.pop("next")
+        self.save()
+        print(f"[trl] {name}: {entry.get('error', 'ok')} ({entry['seconds']} s)", flush=True)
+        return value
 
-    t0 = time.perf_counter()
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    entry: dict[str, Any] = {"seconds": round(time.perf_counter() - t0, 3)}
-    if thread.is_alive():
-        entry["error"] = f"no answer after {timeout:.0f} s (hung)"
-    elif "error" in box:
-        entry.update(error=box["error"], trace=box["trace"])
-    report["stages"][name] = entry
-    print(f"[trl] {name}: {entry.get('error', 'ok')} ({entry['seconds']} s)", flush=True)
-    return box.get("value")
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self.report, indent=2))
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--work", default="runs/gpu_work/trl")
-    p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--noise", type=float, default=0.05)
-    p.add_argument("--gpu-memory", type=float, default=0.3)
-    p.add_argument("--init-timeout", type=float, default=180.0)
-    args = p.parse_args()
+def trainer(args: argparse.Namespace) -> int:
+    """TRL's client, unchanged, as a GRPO trainer drives it: connect, check the server,
+    generate, join the NCCL group, then push a new policy each step."""
     import torch
     import trl
     from make_prompts import load_prompts
     from trl.generation.vllm_client import VLLMClient
     from weight_sync import _perturbed, _weights
+
+    from codraft.prepare import resolve_model
+
+    t = Trainer(Path(args.report))
+    t.report.update(trl=trl.__version__, trainer_gpu=torch.cuda.get_device_name(0))
+    prompts = load_prompts()["heldout"][:8]
+    client = t.stage("connect", lambda: VLLMClient(base_url=args.url))
+    if client is None:
+        return 1
+    info = t.stage("server_info", client.get_server_info) or {}
+    t.report["server_weight_transfer"] = info.get("weight_transfer_config")
+    t.report["server_dtype"] = (info.get("model_config") or {}).get("dtype")
+    t.report["world_size"] = t.stage("get_world_size", client.get_world_size)
+
+    def generate() -> list[list[int]]:
+        got = client.generate(prompts, temperature=0.0, max_tokens=48, logprobs=None)
+        return got["completion_ids"]
+
+    before = t.stage("generate", generate)
+    t.stage("init_communicator", lambda: client.init_communicator(device=0))
+    if "error" in t.report["stages"]["init_communicator"]:
+        return 1
+    base = _weights(resolve_model("smollm2"))
+    for step in range(1, args.steps + 1):
+        new = _perturbed(base, args.noise, seed=step)
+        meta = [(n, str(w.dtype).removeprefix("torch."), list(w.shape)) for n, w in new.items()]
+
+        def push(new: dict = new, meta: list = meta) -> None:
+            with client.weight_update():
+                client.update_named_params(meta, iter(new.items()))
+
+        t.stage(f"push_step_{step}", push)
+        ready = httpx.get(f"{args.url}/ready", timeout=30).json()
+        after = t.stage(f"generate_step_{step}", generate)
+        changed = sum(a != b for a, b in zip(before or [], after or [], strict=False))
+        version = ready.get("policy_version")
+        t.report["steps"].append({"step": step, "policy_version": version, "changed": changed})
+        t.save()
+        before = after
+    client.close_communicator()
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--work", default="runs/gpu_work/trl")
+    p.add_argument("--out", help="trl_client.json here (the server side)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--noise", type=float, default=0.05)
+    p.add_argument("--gpu-memory", type=float, default=0.3)
+    p.add_argument("--trainer-timeout", type=float, default=240.0, help="seconds for TRL's side")
+    p.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)  # the child
+    p.add_argument("--url", help=argparse.SUPPRESS)
+    p.add_argument("--report", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.trainer:
+        return trainer(args)
+    if not args.out:
+        p.error("--out is required")
+    import torch
 
     from codraft.prepare import resolve_model
     from codraft.server.serve import ServeProcess
@@ -81,66 +148,42 @@ def main() -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     out.mkdir(parents=True, exist_ok=True)
+    gpus = torch.cuda.device_count()
     model = resolve_model("smollm2")
-    prompts = load_prompts()["heldout"][:8]
-    report: dict[str, Any] = {
-        "trl": trl.__version__, "gpus": torch.cuda.device_count(), "stages": {}, "steps": [],
-    }  # fmt: skip
     argv = [
         "--model", str(model), "--dtype", "bfloat16", "--max-model-len", "2048",
         "--weight-transfer", "nccl", "--work-dir", str(work / "serve"),
         "--gpu-memory-utilization", str(args.gpu_memory), "--num-speculative-tokens", "3",
     ]  # fmt: skip
-    server = ServeProcess.start(argv, work / "serve.log", control=False)
+    # the engine on GPU 0, the trainer on GPU 1 when there is one (NCCL wants a GPU a rank)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
+    server = ServeProcess.start(argv, work / "serve.log", control=False, env=env)
+    path = work / "trainer.json"
+    report: dict[str, Any] = {"gpus": gpus, "trainer_gpu_index": 1 if gpus > 1 else 0}
     try:
         server.wait_ready(timeout=900)
-        client = _stage(report, "connect", lambda: VLLMClient(base_url=server.url))
-        if client is None:
-            raise SystemExit
-        info = _stage(report, "server_info", client.get_server_info) or {}
-        report["server_weight_transfer"] = info.get("weight_transfer_config")
-        report["server_dtype"] = (info.get("model_config") or {}).get("dtype")
-        report["world_size"] = _stage(report, "get_world_size", client.get_world_size)
-
-        def generate() -> list[list[int]]:
-            got = client.generate(prompts, temperature=0.0, max_tokens=48, logprobs=None)
-            return got["completion_ids"]
-
-        before = _stage(report, "generate", generate)
-        # the trainer's side on this process's GPU; the engine's worker is rank 1
-        torch.cuda.set_device(0)
-        _stage(
-            report, "init_communicator", lambda: client.init_communicator(device=0),
-            timeout=args.init_timeout,
-        )  # fmt: skip
-        if "error" not in report["stages"]["init_communicator"]:
-            base = _weights(model)
-            for step in range(1, args.steps + 1):
-                new = _perturbed(base, args.noise, seed=step)
-                meta = [(n, str(t.dtype).removeprefix("torch."), list(t.shape))
-                        for n, t in new.items()]  # fmt: skip
-
-                def push(new: dict = new, meta: list = meta) -> None:
-                    with client.weight_update():
-                        client.update_named_params(meta, iter(new.items()))
-
-                _stage(report, f"push_step_{step}", push)
-                ready = httpx.get(f"{server.url}/ready", timeout=30).json()
-                after = _stage(report, f"generate_step_{step}", generate)
-                changed = sum(a != b for a, b in zip(before or [], after or [], strict=False))
-                report["steps"].append(
-                    {"step": step, "policy_version": ready.get("policy_version"),
-                     "outputs_changed": changed}
-                )  # fmt: skip
-                before = after
-            client.close_communicator()
+        child = [sys.executable, __file__, "--trainer", "--url", server.url, "--report",
+                 str(path), "--steps", str(args.steps), "--noise", str(args.noise)]  # fmt: skip
+        cenv = {**os.environ, "CUDA_VISIBLE_DEVICES": str(report["trainer_gpu_index"])}
+        try:
+            report["trainer_exit"] = subprocess.run(
+                child, env=cenv, timeout=args.trainer_timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            report["trainer_exit"] = f"killed after {args.trainer_timeout:.0f} s"
     finally:
         server.stop()
         report["server_log_tail"] = server.log_tail(6000)
-    stages = report["stages"]
-    report["ok"] = all("error" not in s for s in stages.values()) and [
-        s["policy_version"] for s in report["steps"]
-    ] == list(range(1, args.steps + 1))
+    if path.is_file():
+        report.update(json.loads(path.read_text()))
+    if "next" in report:  # the stage the trainer was in when it was killed
+        report["stages"][report.pop("next")] = {"error": f"hung: {report['trainer_exit']}"}
+    stages = report.get("stages", {})
+    report["ok"] = (
+        bool(stages)
+        and all("error" not in s for s in stages.values())
+        and [s["policy_version"] for s in report.get("steps", [])] == list(range(1, args.steps + 1))
+    )
     (out / "trl_client.json").write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k != "server_log_tail"}, indent=2)[-6000:])
     return 0 if report["ok"] else 1

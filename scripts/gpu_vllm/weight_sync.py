@@ -334,6 +334,9 @@ def main() -> int:
         if not big:
             sleep_and_draft(stack, sync, args, prompts, new, report)
         sync.close()
+    except Exception as err:  # what ran is still reported (a later phase may take the engine down)
+        report["error"] = f"{type(err).__name__}: {err}"
+        checks["ran_to_the_end"] = False
     finally:
         stack.stop_learner()
         stack.server.stop()
