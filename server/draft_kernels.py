@@ -298,6 +298,13 @@ def snapshot_live(
     return KernelState(state, derived=derived)
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A copy that is a normal tensor (not an inference-mode one, which vLLM's loaders could
+    not update in place later)."""
+    with torch.inference_mode(False):
+        return t.clone()
+
+
 def install(state: KernelState) -> None:
     """Write `state` into the live drafter: copy_ into the live storage, set kernel attrs."""
     with torch.inference_mode():
@@ -306,15 +313,16 @@ def install(state: KernelState) -> None:
             for name, t in k.tensors.items():
                 if live[name].is_meta:  # a reload left a placeholder: the copy takes its place
                     if name in k.layer._parameters:
-                        k.layer._parameters[name] = nn.Parameter(t.clone(), requires_grad=False)
+                        k.layer._parameters[name] = nn.Parameter(_plain(t), requires_grad=False)
                     else:
-                        k.layer._buffers[name] = t.clone()
+                        k.layer._buffers[name] = _plain(t)
                 else:
                     live[name].data.copy_(t)
             for name, value in k.attrs.items():
                 k.layer.__dict__[name] = value
         for module, name, t in state.derived:
-            if module.__dict__[name].is_meta:
-                module.__dict__[name] = t.clone()
+            live = module.__dict__[name]
+            if live.is_meta or live.shape != t.shape:  # a reload's placeholder, or rebuilt
+                module.__dict__[name] = _plain(t)
             else:
                 module.__dict__[name].copy_(t)

@@ -32,8 +32,11 @@ from typing import Any
 import torch
 
 from codraft.server.draft_kernels import (
+    DERIVED_ATTRS,
     KernelState,
+    derived_tensors,
     install,
+    rebuild_derived,
     rebuild_from_layers,
     snapshot_live,
 )
@@ -54,6 +57,41 @@ class Session:
     kind: str  # "policy" or "draft"
     started_at: str
     snapshot: KernelState | None = None  # the serving draft before a draft session
+    # the weights that reached the drafter's load_weights (checkpoint names), kept for what
+    # the DFlash model derives from them (`rebuild_derived`); None when it derives nothing
+    arrived: dict[str, torch.Tensor] | None = None
+
+
+def _record_arrivals(model: torch.nn.Module, arrived: dict[str, torch.Tensor]) -> None:
+    """Tee every weight vLLM's session hands the drafter's `load_weights` into `arrived` (an
+    instance attribute over the method; `_stop_recording` removes it)."""
+    load = model.load_weights
+
+    def load_weights(weights: Any, *args: Any, **kwargs: Any) -> Any:
+        def tee() -> Any:
+            for name, t in weights:
+                arrived[name.removeprefix("model.")] = t.detach().clone()
+                yield name, t
+
+        return load(tee(), *args, **kwargs)
+
+    model.load_weights = load_weights  # type: ignore[method-assign]
+
+
+def _stop_recording(model: torch.nn.Module) -> None:
+    model.__dict__.pop("load_weights", None)
+
+
+def _restore(model: torch.nn.Module, snapshot: KernelState) -> None:
+    """Put the draft from before the session back: its layers, then what the DFlash model
+    derives outside them (its RoPE reference from the layers; the fused tensors from the
+    snapshot, since the CPU build's layers keep their weights repacked elsewhere)."""
+    install(snapshot)
+    try:
+        rebuild_from_layers(model)
+    except RuntimeError as err:
+        log.error("codraft: rebuilding the draft's fused tensors after a rollback: %s", err)
+    install(snapshot)
 
 
 class Transfers:
@@ -88,10 +126,14 @@ class Transfers:
         if kind not in KINDS:
             raise SwapError(422, f"kind must be one of {KINDS}, got {kind!r}")
         self.refuse_while_open(f"a {kind} weight transfer")
-        snapshot = None
+        session = Session(kind, utc_now())
         if kind == "draft":
-            snapshot = snapshot_live(drafter_model(e.runner), target_model(e.runner))
-        self.session = Session(kind, utc_now(), snapshot)
+            model = drafter_model(e.runner)
+            session.snapshot = snapshot_live(model, target_model(e.runner))
+            if derived_tensors(model):
+                session.arrived = {}
+                _record_arrivals(model, session.arrived)
+        self.session = session
         log.info("codraft: %s weight transfer begins", kind)
         return {"ok": True, "transfer": self.info()}
 
@@ -104,11 +146,12 @@ class Transfers:
         if ok:  # a version that is not newer leaves the session open: finish again with another
             version = self.next_version(e, s.kind, version)
         self.session = None
+        if s.kind == "draft":
+            _stop_recording(drafter_model(e.runner))
         if not ok:
             self.failed[s.kind] += 1
             if s.snapshot is not None:
-                install(s.snapshot)
-                rebuild_from_layers(drafter_model(e.runner))
+                _restore(drafter_model(e.runner), s.snapshot)
                 log.warning("codraft: draft weight transfer failed; draft v%d restored",
                             e.current.version)  # fmt: skip
                 return {"ok": True, "restored": True, "draft": e.info()["draft"]}
@@ -125,13 +168,15 @@ class Transfers:
         bad = unusable_tensors(model, attributes=False)  # the layers first: the rebuild reads them
         if not bad:
             try:
-                rebuild_from_layers(model)
-            except RuntimeError as err:
-                bad = [f"rebuilding the fused tensors failed ({err})"]
+                if s.arrived is None:
+                    rebuild_from_layers(model)
+                else:  # from the weights that arrived (the CPU build repacks the layers')
+                    rebuild_derived(model, s.arrived)
+            except RuntimeError as err:  # (StageError: the arrivals lack a layer's K/V)
+                bad = [f"rebuilding the DFlash model's fused tensors failed ({err})"]
             bad = bad or unusable_tensors(model)
         if bad:
-            install(s.snapshot)
-            rebuild_from_layers(model)
+            _restore(model, s.snapshot)
             self.failed["draft"] += 1
             raise SwapError(
                 422,
@@ -210,6 +255,9 @@ def unusable_tensors(model: torch.nn.Module, attributes: bool = True) -> list[st
                 bad.append(f"{name} (NaN or Inf)")
         for prefix, module in model.named_modules() if attributes else ():
             for attr, t in vars(module).items():
+                where = f"{prefix + '.' if prefix else ''}{attr}"
                 if isinstance(t, torch.Tensor) and t.is_meta:
-                    bad.append(f"{prefix + '.' if prefix else ''}{attr} (not loaded)")
+                    bad.append(f"{where} (not loaded)")
+                elif attr in DERIVED_ATTRS and isinstance(t, torch.Tensor) and not t.numel():
+                    bad.append(f"{where} (empty)")
     return bad

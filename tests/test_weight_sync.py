@@ -346,52 +346,71 @@ def test_the_ipc_engine_imports_without_a_package_it_needs_only_on_the_trainer_s
         import_without("needs_absent.broken", "codraft_absent_pkg")
 
 
-class _Fused(__import__("torch").nn.Module):
-    """vLLM's DFlash model in miniature: layers, a RoPE table, and what it derives from them
-    outside the layers (`_build_fused_kv_buffers`), which its in-place reload rebuilds while
-    the layers are still meta placeholders."""
+def _fused_model():
+    """vLLM's DFlash model in miniature: layers (checkpoint names), a RoPE table, and what it
+    derives from them outside the layers (`_build_fused_kv_buffers`), which its in-place
+    reload rebuilds while the layers are still placeholders."""
+    import torch
+    from torch import nn
 
-    def __init__(self) -> None:
-        import torch
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.k_proj, self.v_proj = nn.Linear(4, 2, bias=False), nn.Linear(4, 2, bias=False)
+            self.k_norm = nn.LayerNorm(2, bias=False)
+            self.rotary_emb = nn.Module()
+            self.rotary_emb.register_buffer("cos_sin_cache", torch.arange(8.0))
 
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4, bias=False) for _ in range(2))
-        self.rot = torch.nn.Module()
-        self.rot.register_buffer("cos_sin_cache", torch.arange(8.0))
-        self._build_fused_kv_buffers()
+    class Fused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Module() for _ in range(2))
+            for layer in self.layers:
+                layer.self_attn = Attn()
+            self._build_fused_kv_buffers()
 
-    def _build_fused_kv_buffers(self) -> None:
-        import torch
+        def _build_fused_kv_buffers(self) -> None:
+            attn = [layer.self_attn for layer in self.layers]
+            self._fused_kv_weight = torch.cat([torch.cat([a.k_proj.weight, a.v_proj.weight])
+                                               for a in attn])  # fmt: skip
+            self._k_norm_weights = torch.stack([a.k_norm.weight for a in attn])
+            self._rope_cos_sin_cache = attn[0].rotary_emb.cos_sin_cache
 
-        self._fused_kv_weight = torch.cat([layer.weight for layer in self.layers])
-        self._rope_cos_sin_cache = self.rot.cos_sin_cache
+        def load_weights(self, weights) -> None:
+            live = dict(self.named_parameters())
+            with torch.no_grad():
+                for name, t in weights:
+                    live[name].copy_(t)
+
+    torch.manual_seed(0)
+    return Fused(), torch.nn.Embedding(10, 4)
 
 
-def _reload_placeholders(fused: _Fused) -> None:
-    """What vLLM 0.26's reload leaves when its rebuild ran on placeholders (seen on CUDA)."""
+def _reload_placeholders(fused) -> None:
+    """What vLLM's reload leaves: its rebuild ran on placeholders (meta on CUDA, seen on the
+    H200 with vLLM 0.26; on the CPU build the linear weights are repacked, read as empty)."""
     import torch
 
-    fused._fused_kv_weight = torch.empty(8, 4, device="meta")
+    fused._fused_kv_weight = torch.empty(0)
     fused._rope_cos_sin_cache = torch.empty(8, device="meta")
 
 
-def test_a_draft_transfer_rebuilds_what_the_dflash_model_derives_from_its_layers() -> None:
+def test_a_draft_transfer_rebuilds_what_the_dflash_model_derives_from_the_weights() -> None:
     import torch
 
-    torch.manual_seed(0)
-    target = torch.nn.Embedding(10, 4)
-    fused = _Fused()
+    fused, target = _fused_model()
     e, transfers, adopted = _worker(fused, target)
     transfers.begin(e, "draft")
-    with torch.no_grad():
-        for layer in fused.layers:
-            layer.weight.mul_(3.0)  # the weights that arrived
+    sent = {n: 3.0 * t.detach() for n, t in fused.named_parameters()}
+    fused.load_weights(iter(sent.items()))  # vLLM's session hands the weights over
     _reload_placeholders(fused)
     transfers.end(e, True)
     assert len(adopted) == 1 and adopted[0][0].version == 4
-    want = torch.cat([layer.weight for layer in fused.layers])
-    assert torch.equal(fused._fused_kv_weight, want)  # from the new layers, not placeholders
-    assert fused._rope_cos_sin_cache is fused.rot.cos_sin_cache
+    want = torch.cat([torch.cat([sent[f"layers.{i}.self_attn.{w}_proj.weight"] for w in "kv"])
+                      for i in range(2)])  # fmt: skip
+    assert torch.equal(fused._fused_kv_weight, want)  # from what arrived, not placeholders
+    assert fused._rope_cos_sin_cache is fused.layers[0].self_attn.rotary_emb.cos_sin_cache
+    assert "load_weights" not in vars(fused)  # the recording ends with the session
 
 
 def test_a_draft_transfer_that_leaves_a_placeholder_is_refused_and_the_old_draft_serves(
@@ -402,27 +421,37 @@ def test_a_draft_transfer_that_leaves_a_placeholder_is_refused_and_the_old_draft
     from codraft.server import transfer
     from codraft.server.weights import SwapError
 
-    torch.manual_seed(0)
-    target = torch.nn.Embedding(10, 4)
-    fused = _Fused()
+    fused, target = _fused_model()
     before = {k: v.clone() for k, v in fused.state_dict().items()}
+    fused_before = fused._fused_kv_weight.clone()
     e, transfers, adopted = _worker(fused, target)
     transfers.begin(e, "draft")
-    fused.layers[1].weight = torch.nn.Parameter(torch.empty(4, 4, device="meta"))  # not sent
+    attn = fused.layers[1].self_attn
+    attn.v_proj.weight = torch.nn.Parameter(torch.empty(2, 4, device="meta"))  # never sent
+    _reload_placeholders(fused)
     with pytest.raises(SwapError) as err:
         transfers.end(e, True)
-    assert err.value.status == 422 and "layers.1.weight (not loaded)" in str(err.value)
+    assert err.value.status == 422, err.value
+    assert "layers.1.self_attn.v_proj.weight (not loaded)" in str(err.value)
     for k, v in fused.state_dict().items():
         assert not v.is_meta and torch.equal(v, before[k]), k  # the snapshot took its place
-    assert torch.equal(fused._fused_kv_weight, torch.cat([before["layers.0.weight"],
-                                                          before["layers.1.weight"]]))  # fmt: skip
+    assert torch.equal(fused._fused_kv_weight, fused_before)
+    assert not fused._rope_cos_sin_cache.is_meta
     assert adopted == [] and transfers.failed["draft"] == 1
+    # a transfer that sends only part of the layers the fused tensors come from is refused
+    transfers.begin(e, "draft")
+    fused.load_weights(
+        [("layers.0.self_attn.k_proj.weight", before["layers.0.self_attn.k_proj.weight"])]
+    )
+    with pytest.raises(SwapError, match="fused tensors failed.*v_proj"):
+        transfers.end(e, True)
     # planted from here: without the rebuild the placeholders of vLLM's reload stay, and the
     # check names them instead of serving a draft that crashes the engine at its next step
     transfers.begin(e, "draft")
-    monkeypatch.setattr(transfer, "rebuild_from_layers", lambda model: None)
+    fused.load_weights((n, t) for n, t in before.items() if "rotary" not in n)
+    monkeypatch.setattr(transfer, "rebuild_derived", lambda model, weights: None)
     _reload_placeholders(fused)
     with pytest.raises(SwapError) as err:
         transfers.end(e, True)
     assert "_rope_cos_sin_cache (not loaded)" in str(err.value)
-    assert "_fused_kv_weight (not loaded)" in str(err.value)
+    assert "_fused_kv_weight (empty)" in str(err.value)

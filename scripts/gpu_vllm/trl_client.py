@@ -75,18 +75,23 @@ class Trainer:
 def trainer(args: argparse.Namespace) -> int:
     """TRL's client, unchanged, as a GRPO trainer drives it: connect, check the server,
     generate, join the NCCL group, then push a new policy each step."""
+    import importlib
+
     import torch
-    import trl
     from make_prompts import load_prompts
-    from trl.generation.vllm_client import VLLMClient
     from weight_sync import _perturbed, _weights
 
     from codraft.prepare import resolve_model
 
     t = Trainer(Path(args.report))
-    t.report.update(trl=trl.__version__, trainer_gpu=torch.cuda.get_device_name(0))
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    t.report["trainer_gpu"] = gpu
+    trl = t.stage("import_trl", lambda: importlib.import_module("trl.generation.vllm_client"))
+    if trl is None:
+        return 1
+    t.report["trl"] = importlib.import_module("trl").__version__
     prompts = load_prompts()["heldout"][:8]
-    client = t.stage("connect", lambda: VLLMClient(base_url=args.url))
+    client = t.stage("connect", lambda: trl.VLLMClient(base_url=args.url))
     if client is None:
         return 1
     info = t.stage("server_info", client.get_server_info) or {}
