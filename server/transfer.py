@@ -11,9 +11,10 @@ session with two RPCs of the worker extension, which call into this module:
   or refused transfer goes back to and a later rollback installs.
 - `end(ok, version)` after vLLM's finish (or after any failure, with ok False): a policy
   session makes `version` the serving policy, exactly as `POST /v1/policy` does (taps, stats
-  and response headers carry it from then on). A draft session lets vLLM's DFlash model derive
-  its fused tensors again from the layers that arrived (`rebuild_from_layers`), checks every
-  drafter tensor (loaded, finite) and makes them draft `version`, the snapshot its previous draft
+  and response headers carry it from then on). A draft session rebuilds what vLLM's DFlash
+  model derives outside its layers (fused context K/V, RoPE reference) from the weights that
+  arrived, since vLLM's reload rebuilt them from placeholders; checks every drafter tensor
+  (loaded, finite) and makes them draft `version`, the snapshot its previous draft
   (rollback goes back to it); weights that fail the check, or a session that failed, put the
   snapshot back. While a session is open, codraft's own draft swaps and policy loads answer 409.
 
@@ -57,20 +58,25 @@ class Session:
     kind: str  # "policy" or "draft"
     started_at: str
     snapshot: KernelState | None = None  # the serving draft before a draft session
-    # the weights that reached the drafter's load_weights (checkpoint names), kept for what
-    # the DFlash model derives from them (`rebuild_derived`); None when it derives nothing
+    # the weights that reached the drafter's load_weights that the DFlash model derives its
+    # fused tensors from (checkpoint names, `rebuild_derived`); None when it derives nothing
     arrived: dict[str, torch.Tensor] | None = None
 
 
+DERIVED_FROM = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight")
+
+
 def _record_arrivals(model: torch.nn.Module, arrived: dict[str, torch.Tensor]) -> None:
-    """Tee every weight vLLM's session hands the drafter's `load_weights` into `arrived` (an
-    instance attribute over the method; `_stop_recording` removes it)."""
+    """Tee the weights vLLM's session hands the drafter's `load_weights` that the fused tensors
+    come from into `arrived` (an instance attribute over the method; `_stop_recording` removes
+    it)."""
     load = model.load_weights
 
     def load_weights(weights: Any, *args: Any, **kwargs: Any) -> Any:
         def tee() -> Any:
             for name, t in weights:
-                arrived[name.removeprefix("model.")] = t.detach().clone()
+                if name.endswith(DERIVED_FROM):
+                    arrived[name.removeprefix("model.")] = t.detach().clone()
                 yield name, t
 
         return load(tee(), *args, **kwargs)

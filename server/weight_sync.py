@@ -58,8 +58,7 @@ SMALL_PATHS = frozenset(
 )  # fmt: skip
 UPDATE_PATH = "/update_weights"
 SYNC_PATHS = SMALL_PATHS | {
-    UPDATE_PATH, "/is_paused", "/is_sleeping", "/get_world_size", "/server_info",
-    "/reset_prefix_cache",
+    UPDATE_PATH, "/is_paused", "/is_sleeping", "/get_world_size", "/server_info"
 }  # fmt: skip
 SMALL_BODY_BYTES = 64 << 10
 UPDATE_BODY_BYTES = 16 << 20
