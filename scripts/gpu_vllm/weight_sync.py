@@ -195,22 +195,24 @@ GEOMETRY_8B = {
 }  # fmt: skip
 
 
-def write_8b_geometry(smollm2: Path, folder: Path, seed: int = 0) -> Path:
+def write_8b_geometry(
+    smollm2: Path, folder: Path, seed: int = 0, geometry: dict | None = None, device: str = "cuda"
+) -> Path:
     """A Llama model folder of Llama-3-8B's shape with SmolLM2's tokenizer, random weights
     (std 0.02, norms 1) in bfloat16 shards of one layer group each."""
     import torch
     from safetensors.torch import save_file
 
-    shutil.copytree(smollm2, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copytree(smollm2, folder, ignore=shutil.ignore_patterns("*.safetensors*"))
     config = json.loads((folder / "config.json").read_text())
-    config.update(GEOMETRY_8B)
+    config.update(geometry or GEOMETRY_8B)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     h, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     kv = config["num_key_value_heads"] * config["head_dim"]
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def rnd(*shape: int) -> Any:
-        return (0.02 * torch.randn(shape, generator=g, device="cuda")).to(torch.bfloat16).cpu()
+        return (0.02 * torch.randn(shape, generator=g, device=device)).to(torch.bfloat16).cpu()
 
     layers = config["num_hidden_layers"]
     shards = [{"model.embed_tokens.weight": rnd(v, h), "lm_head.weight": rnd(v, h),
@@ -227,8 +229,14 @@ def write_8b_geometry(smollm2: Path, folder: Path, seed: int = 0) -> Path:
             pre + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
             pre + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
         })  # fmt: skip
+    weight_map, total = {}, 0
     for n, shard in enumerate(shards):
-        save_file(shard, str(folder / f"model-{n:05d}-of-{len(shards):05d}.safetensors"))
+        name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return folder
 
 
@@ -299,7 +307,7 @@ def main() -> int:
         if learner:
             report["learner_policy_v1"] = stack.learner_policy(1)
         folder = work / "policy-v1"
-        shutil.copytree(model, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+        shutil.copytree(model, folder, ignore=shutil.ignore_patterns("*.safetensors*"))
         t0 = time.perf_counter()
         from safetensors.torch import save_file
 
