@@ -3,8 +3,10 @@
 The SGLang counterpart of scripts/gpu_vllm/prepare_lean_set.py, whose repack, RECORD check and
 split/manifest code it imports (that file stays untouched). The GPU machine (one H200, sm_90) has
 Python 3.12.3, torch 2.11.0 + CUDA 13 (nvcc too), triton 3.6.0, transformers 5.17.0 and the other
-packages of IMAGE below, no network, and takes files in carried folders of at most 64 MiB per
-call. sglang 0.5.17 pins torch==2.11.0, the image's (later releases pin 2.13/2.14).
+packages of IMAGE below (its transformers, 5.17.0, is shadowed in the SGLang venv by sglang's
+pinned 5.12.1: 5.17.0 defines a config that sglang registers again), no network, and takes
+files in carried folders of at most 64 MiB per call. sglang 0.5.17 pins torch==2.11.0, the
+image's (later releases pin 2.13/2.14).
 This script
 
 1. downloads (`pip download --no-deps`, pinned, cp312, manylinux x86_64 up to glibc 2.39) the
@@ -22,7 +24,7 @@ This script
    .so whose 372 fatbins hold SASS for sm_80 (257 MiB), sm_86 (257 MiB) and sm_90 (474 MiB),
    no PTX; it is what `--attention-backend fa3` (the H200 default for MHA models) loads, so
    it stays whole. sm90/common_ops.abi3.so is likewise fat (sm_80 ... sm_120) and stays.
-   `--no-fa3` leaves it out too (NO_FA3: 409 -> 82 MiB, 8 parts -> 2), for serving with
+   `--no-fa3` leaves it out too (NO_FA3: 96 MiB in 2 parts instead of 8), for serving with
    `--attention-backend flashinfer`. A changed DROPS needs `rm -r <out>/repacked*` (a repack
    is redone only for a newer source);
 3. checks that every Requires-Dist (no extras; markers for CPython 3.12 / Linux / x86_64) of
@@ -79,6 +81,9 @@ SHIP = (
     "apache-tvm-ffi==0.1.11",  # tvm_ffi: flashinfer.jit, deep_gemm, xgrammar, sglang's JIT
     "xgrammar==0.2.1",  # default grammar backend; function_call detectors import it (repacked)
     "openai==2.6.1",  # entrypoints/openai/protocol.py
+    "transformers==5.12.1",  # the image's 5.17.0 defines qwen3_asr, which sglang's configs
+    # register again: every serving module then fails to import (seen on the H200, 2026-12-04)
+    "tokenizers==0.22.2",  # transformers 5.12.1 wants <=0.23.0, checked at import (no 0.23.0 final)
     # unpinned requirements of sglang that its serving path imports at module level
     "compressed-tensors==0.18.0",  # layers/quantization/__init__ -> compressed_tensors
     "loguru==0.7.3",  # compressed-tensors
@@ -211,11 +216,6 @@ IMAGE_VERSIONS = {
 }
 # Pins that the image's version does not meet, kept as the image has them.
 ACCEPTED = {
-    "transformers": "sglang pins ==5.12.1 but checks no version at run time, and 5.17.0 has "
-    "every name its serving modules import from transformers (checked without torch: 57 of 60 "
-    "import under both, the 3 others need torch under both); the image's 5.17.0 stays "
-    "(shipping 5.12.1 would shadow the version the image's peft, accelerate and "
-    "sentence-transformers were installed with)",
     "numba": "sglang pins ==0.65.1; not imported on this path; the image's numba stays",
     "timm": "sglang pins ==1.0.16; vision towers only, not imported on this path; the image's "
     "timm stays",
@@ -260,7 +260,7 @@ DROPS: dict[str, tuple[tuple[str, str], ...]] = {
     ),
 }
 
-# --no-fa3 (opt-in): sglang-kernel without FlashAttention-3, 326 of the set's 409 MiB. The
+# --no-fa3 (opt-in): sglang-kernel without FlashAttention-3, 326 MiB of the set. The
 # server must then run with `--attention-backend flashinfer` (or triton): the H200 default for
 # a Llama (MHA, EAGLE topk 1) is fa3, which would fail at its first attention call.
 NO_FA3 = (
