@@ -105,13 +105,25 @@ def _pickled(value: Any) -> bool:
     return False
 
 
+NCCL_REFUSED = "NCCL error: invalid usage"
+NCCL_HINT = (
+    "; NCCL refused the group the trainer asked for: each rank needs its own GPU (a trainer on "
+    "the engine's GPU cannot join it: use the ipc backend there), and world_size and "
+    "rank_offset must match the engine's (GET /get_world_size)"
+)
+
+
 def _engine_error(what: str, e: Exception) -> ControlError:
     """vLLM's refusal of a call: 400 bad input, 409 out of order (its RuntimeErrors: no session
-    open, one already open, the engine not configured for weight transfer), 500 otherwise."""
+    open, one already open, the engine not configured for weight transfer) or a group NCCL
+    refuses (a setup the trainer must change: not worth a retry), 500 otherwise."""
     status = 400 if isinstance(e, ValueError | TypeError | KeyError) else 500
     if isinstance(e, RuntimeError):
         status = 409
-    return ControlError(status, f"{what} failed: {type(e).__name__}: {e}"[:4000])
+    detail = f"{what} failed: {type(e).__name__}: {e}"[:4000]
+    if NCCL_REFUSED in str(e):  # (vLLM's engine reports a worker's failure as a plain Exception)
+        status, detail = 409, detail + NCCL_HINT
+    return ControlError(status, detail)
 
 
 class WeightSync:

@@ -32,6 +32,9 @@ class SyncEngine(FakeEngine):
         if name == self.fail:
             raise self.error
 
+    async def init_weight_transfer_engine(self, request: Any) -> None:
+        self._call("vllm.init_weight_transfer_engine", info=request.init_info)
+
     async def start_weight_update(self) -> None:
         self._call("vllm.start_weight_update")
 
@@ -455,3 +458,22 @@ def test_a_draft_transfer_that_leaves_a_placeholder_is_refused_and_the_old_draft
         transfers.end(e, True)
     assert "_rope_cos_sin_cache (not loaded)" in str(err.value)
     assert "_fused_kv_weight (empty)" in str(err.value)
+
+
+def test_a_group_nccl_refuses_is_a_409_that_says_what_to_change() -> None:
+    """What the H200 answered TRL's init with the trainer on the engine's GPU (vLLM reports the
+    worker's failure as a plain Exception): a 409 naming the fix, not a 500 that clients retry."""
+    error = Exception(
+        "Call to collective_rpc method failed: NCCL error: invalid usage (run with "
+        "NCCL_DEBUG=WARN for details)"
+    )
+    engine = SyncEngine(_replies(), fail="vllm.init_weight_transfer_engine", error=error)
+    body = {"init_info": {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                          "world_size": 2}}  # fmt: skip
+    r = _client(engine).post("/init_weight_transfer_engine", json=body, headers=AUTH)
+    assert r.status_code == 409, r.text
+    assert "own GPU" in r.json()["detail"] and "ipc backend" in r.json()["detail"], r.text
+    died = Exception("Call to collective_rpc method failed: worker died")
+    other = SyncEngine(_replies(), fail="vllm.init_weight_transfer_engine", error=died)
+    r = _client(other).post("/init_weight_transfer_engine", json=body, headers=AUTH)
+    assert r.status_code == 500, r.text

@@ -20,8 +20,8 @@ every stage with its time or its error. Exit status 0 when every stage ran.
 Seen on one H200 (2026-12-04): connect, /server_info, /get_world_size and greedy generation
 through TRL's client answer; `init_communicator` fails: the engine's NCCL init returns
 "invalid usage" (trainer and engine worker would be two ranks of one communicator on one GPU,
-which NCCL refuses), the server answers 500, and TRL's side waits in its own NCCL init with no
-timeout. Two GPUs are what TRL's NCCL path needs.
+which NCCL refuses), the server answered 500 (now a 409 naming the fix), and TRL's side waits
+in its own NCCL init with no timeout. Two GPUs are what TRL's NCCL path needs.
 """
 
 from __future__ import annotations
