@@ -81,9 +81,9 @@ def derived_tensors(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor
 def rebuild_from_layers(model: nn.Module) -> None:
     """Let vLLM's DFlash model derive again, from its layers as they are now, what it keeps
     outside them (`_build_fused_kv_buffers`: the fused K/V weight, the stacked K-norm weights,
-    its reference to the RoPE table). Its reload runs that rebuild while the layers still hold
-    the reload's placeholders (meta tensors on CUDA), so after a reload through vLLM's own
-    weight-update routes it must run again; a no-op for drafters without it."""
+    its reference to the RoPE table); a no-op for drafters without it. Its reload runs that
+    rebuild while the layers still hold placeholders (meta on CUDA), so it runs again after
+    one (first in `rebuild_derived`, and after a snapshot is put back)."""
     for module in model.modules():
         if hasattr(module, "_build_fused_kv_buffers"):
             module._build_fused_kv_buffers()
@@ -325,4 +325,4 @@ def install(state: KernelState) -> None:
             if live.is_meta or live.shape != t.shape:  # a reload's placeholder, or rebuilt
                 module.__dict__[name] = _plain(t)
             else:
-                module.__dict__[name].copy_(t)
+                live.copy_(t)

@@ -174,9 +174,7 @@ class Transfers:
         bad = unusable_tensors(model, attributes=False)  # the layers first: the rebuild reads them
         if not bad:
             try:
-                if s.arrived is None:
-                    rebuild_from_layers(model)
-                else:  # from the weights that arrived (the CPU build repacks the layers')
+                if s.arrived is not None:  # from what arrived (the CPU build repacks the layers')
                     rebuild_derived(model, s.arrived)
             except RuntimeError as err:  # (StageError: the arrivals lack a layer's K/V)
                 bad = [f"rebuilding the DFlash model's fused tensors failed ({err})"]

@@ -27,12 +27,12 @@ import json
 import shutil
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "gpu_vllm"))  # make_prompts
+sys.path.insert(0, str(HERE.parent / "gpu_vllm"))  # make_prompts, stages
+from stages import Stages  # noqa: E402 (after the path)
 
 
 def prepare(args: argparse.Namespace) -> int:
@@ -58,24 +58,6 @@ def prepare(args: argparse.Namespace) -> int:
     (draft / "config.json").write_text(json.dumps(cfg.to_hf_dict(engine="sglang"), indent=2))
     print(json.dumps({"target": str(target), "draft": str(draft), "tap_layers": cfg.tap_layers}))
     return 0
-
-
-class Stages:
-    def __init__(self, report: dict) -> None:
-        self.report = report
-
-    def run(self, name: str, fn: Any) -> Any:
-        t0 = time.perf_counter()
-        entry: dict[str, Any] = {}
-        try:
-            value = fn()
-        except BaseException as e:  # recorded: the attempt's report says where it broke
-            value = None
-            entry.update(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-4000:])
-        entry["seconds"] = round(time.perf_counter() - t0, 3)
-        self.report["stages"][name] = entry
-        print(f"[sglang] {name}: {entry.get('error', 'ok')} ({entry['seconds']} s)", flush=True)
-        return value
 
 
 def arm(stages: Stages, name: str, engine_kwargs: dict, prompts: list[list[int]],
@@ -111,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
     work, out = Path(args.work).resolve(), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"stages": {}, "args": vars(args)}
-    stages = Stages(report)
+    report: dict[str, Any] = {"args": vars(args)}
+    stages = Stages(report, "sglang")
     sglang = stages.run("import_sglang", lambda: __import__("sglang"))
     if sglang is not None:
         report["sglang"] = sglang.__version__

@@ -32,44 +32,13 @@ import os
 import shutil
 import subprocess
 import sys
-import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # weight_sync, make_prompts
-
-
-class Trainer:
-    """The trainer's side, in a child process (NCCL's init cannot be interrupted: the parent
-    kills the child when a stage outlasts its time). Every stage is written to the report as
-    it ends, so a kill leaves what ran."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.report: dict[str, Any] = {"stages": {}, "steps": []}
-
-    def stage(self, name: str, fn: Any) -> Any:
-        self.report["next"] = name
-        self.save()
-        t0 = time.perf_counter()
-        entry: dict[str, Any] = {}
-        value = None
-        try:
-            value = fn()
-        except Exception as e:  # recorded: the report says what broke and how
-            entry.update(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-3000:])
-        entry["seconds"] = round(time.perf_counter() - t0, 3)
-        self.report["stages"][name] = entry
-        self.report.pop("next")
-        self.save()
-        print(f"[trl] {name}: {entry.get('error', 'ok')} ({entry['seconds']} s)", flush=True)
-        return value
-
-    def save(self) -> None:
-        self.path.write_text(json.dumps(self.report, indent=2))
+from stages import Stages  # noqa: E402 (after the path)
 
 
 def trainer(args: argparse.Namespace) -> int:
@@ -83,28 +52,28 @@ def trainer(args: argparse.Namespace) -> int:
 
     from codraft.prepare import resolve_model
 
-    t = Trainer(Path(args.report))
+    t = Stages({"steps": []}, "trl", Path(args.report))
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     t.report["trainer_gpu"] = gpu
-    trl = t.stage("import_trl", lambda: importlib.import_module("trl.generation.vllm_client"))
+    trl = t.run("import_trl", lambda: importlib.import_module("trl.generation.vllm_client"))
     if trl is None:
         return 1
     t.report["trl"] = importlib.import_module("trl").__version__
     prompts = load_prompts()["heldout"][:8]
-    client = t.stage("connect", lambda: trl.VLLMClient(base_url=args.url))
+    client = t.run("connect", lambda: trl.VLLMClient(base_url=args.url))
     if client is None:
         return 1
-    info = t.stage("server_info", client.get_server_info) or {}
+    info = t.run("server_info", client.get_server_info) or {}
     t.report["server_weight_transfer"] = info.get("weight_transfer_config")
     t.report["server_dtype"] = (info.get("model_config") or {}).get("dtype")
-    t.report["world_size"] = t.stage("get_world_size", client.get_world_size)
+    t.report["world_size"] = t.run("get_world_size", client.get_world_size)
 
     def generate() -> list[list[int]]:
         got = client.generate(prompts, temperature=0.0, max_tokens=48, logprobs=None)
         return got["completion_ids"]
 
-    before = t.stage("generate", generate)
-    t.stage("init_communicator", lambda: client.init_communicator(device=0))
+    before = t.run("generate", generate)
+    t.run("init_communicator", lambda: client.init_communicator(device=0))
     if "error" in t.report["stages"]["init_communicator"]:
         return 1
     base = _weights(resolve_model("smollm2"))
@@ -116,9 +85,9 @@ def trainer(args: argparse.Namespace) -> int:
             with client.weight_update():
                 client.update_named_params(meta, iter(new.items()))
 
-        t.stage(f"push_step_{step}", push)
+        t.run(f"push_step_{step}", push)
         ready = httpx.get(f"{args.url}/ready", timeout=30).json()
-        after = t.stage(f"generate_step_{step}", generate)
+        after = t.run(f"generate_step_{step}", generate)
         changed = sum(a != b for a, b in zip(before or [], after or [], strict=False))
         version = ready.get("policy_version")
         t.report["steps"].append({"step": step, "policy_version": version, "changed": changed})

@@ -35,7 +35,6 @@ import json
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -45,7 +44,8 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_prompts
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_prompts, cotrain
+from cotrain import _spawn, _stop  # noqa: E402 (after the path)
 
 
 def _counters(metrics_text: str) -> tuple[float, float]:
@@ -76,10 +76,12 @@ class Stack:
         self.model = str(model)
         self.auth = {"Authorization": f"Bearer {self.token}"}
         self.work = work
-        archs = json.loads((Path(args.draft) / "config.json").read_text())["architectures"] if (
-            args.draft
-        ) else []  # fmt: skip
-        self.drafter = "dflash" if any("DFlash" in a for a in archs) else "eagle3"
+        self.drafter = "eagle3"
+        if args.draft:
+            from codraft.draft.checkpoint import config_from_hf
+
+            hf = json.loads((Path(args.draft) / "config.json").read_text())
+            self.drafter = config_from_hf(hf).kind
         self.learner: subprocess.Popen | None = None
         self.learner_port = 0
 
@@ -96,10 +98,7 @@ class Stack:
             "--min-buffer-tokens", str(10**9), "--publish-every", str(10**9),
             "--drafter", self.drafter,
         ]  # fmt: skip
-        log = open(self.work / "learner.log", "wb")  # noqa: SIM115 (lives with the process)
-        self.learner = subprocess.Popen(
-            [sys.executable, "-m", "codraft.cli", *argv], stdout=log, stderr=subprocess.STDOUT
-        )
+        self.learner = _spawn(argv, self.work / "learner.log")
 
     def learner_policy(self, want: int, timeout: float = 120.0) -> float | None:
         """The learner's newest policy version once it reads `want` (or the last read)."""
@@ -117,12 +116,7 @@ class Stack:
         return seen
 
     def stop_learner(self) -> None:
-        if self.learner is not None and self.learner.poll() is None:
-            self.learner.send_signal(signal.SIGTERM)
-            try:
-                self.learner.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.learner.kill()
+        _stop(self.learner)
         self.learner = None
 
     def control(self, method: str, path: str, **kw: Any) -> dict:
