@@ -130,6 +130,21 @@ class DraftReply(_Reply):
     tap_layers: list[int] | None = None
 
 
+class TensorDigest(BaseModel):
+    shape: list[int]
+    dtype: str
+    device: str
+    sum: float | int | str  # "nan" / "inf" / "-inf" when not finite
+    sum_sq: float | str | None = None  # floating-point tensors only
+
+
+class DigestReply(BaseModel):
+    """Checksums of every tensor the serving draft reads that is not the target's."""
+
+    version: int | None
+    tensors: dict[str, TensorDigest]
+
+
 class PrepareReply(_Reply):
     ticket: str
     path: str
@@ -509,6 +524,14 @@ def control_router(control: EngineControl, auth: Callable[..., Awaitable[None]])
     async def get_draft() -> dict:
         """The loaded draft: version, sha256, path, loaded_at, tap layers, acceptance stats."""
         return await draft_state(control)
+
+    @r.get("/v1/draft/digest", **_documented(DigestReply))
+    async def draft_digest() -> dict:
+        """Checksums (float64 sum and sum of squares, shape, dtype) of every tensor the serving
+        draft reads that is not the target's: the drafter's parameters, buffers and derived
+        tensors, and its proposer's. Compare two to see that a push landed, or what a sleep
+        or a transfer changed."""
+        return await control.rpc("codraft_draft_digest")
 
     @r.post("/v1/draft", **_documented(DraftReply, 403, 404, 409, body=DraftLoadRequest))
     async def post_draft(request: Request) -> dict:

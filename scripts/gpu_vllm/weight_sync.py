@@ -270,6 +270,7 @@ def main() -> int:
     work.mkdir(parents=True)
     out.mkdir(parents=True, exist_ok=True)
     big = args.target == "8b-geometry"
+    name = "weight_sync_8b.json" if big else "weight_sync.json"
     report: dict[str, Any] = {"target": args.target, "draft": args.draft, "checks": {}}
     model = resolve_model("smollm2")
     if big:
@@ -343,10 +344,11 @@ def main() -> int:
         stack.stop_learner()
         stack.server.stop()
         report["server_log_tail"] = stack.server.log_tail(4000)
+        if (work / "serve.log").is_file():  # the whole log beside the report
+            shutil.copy(work / "serve.log", out / f"{Path(name).stem}_server.log")
         if (work / "learner.log").is_file():
             report["learner_log_tail"] = (work / "learner.log").read_text()[-2000:]
     report["ok"] = all(checks.values())
-    name = "weight_sync_8b.json" if big else "weight_sync.json"
     (out / name).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if not k.endswith("log_tail")}, indent=2))
     return 0 if report["ok"] else 1
@@ -359,13 +361,16 @@ def sleep_and_draft(
     """2. sleep level 1, then level 2 with the policy pushed back; 3. a draft push, rollback."""
     checks = report["checks"]
     phases = {"before": stack.generate(prompts, args.max_tokens)}
+    digests = {"before": stack.control("GET", "/v1/draft/digest")["tensors"]}
     stack.control("POST", "/sleep", params={"level": 1})
     stack.control("POST", "/wake_up")
+    digests["after_level_1"] = stack.control("GET", "/v1/draft/digest")["tensors"]
     phases["after_level_1"] = stack.generate(prompts, args.max_tokens)
     stack.control("POST", "/sleep", params={"level": 2})
     stack.control("POST", "/wake_up", params={"tags": "weights"})
     push(sync, new, version=3)  # level 2 discarded the weights: the trainer sends them
     stack.control("POST", "/wake_up", params={"tags": "kv_cache"})
+    digests["after_level_2"] = stack.control("GET", "/v1/draft/digest")["tensors"]
     phases["after_level_2"] = stack.generate(prompts, args.max_tokens)
     report["sleep"] = {k: {"acceptance_length": v["acceptance_length"],
                            "draft_versions": v["draft_versions"], "seconds": v["seconds"]}
@@ -377,6 +382,10 @@ def sleep_and_draft(
             phases[name]["acceptance_length"] == ref["acceptance_length"]
         )
         checks[f"{name}_same_draft"] = phases[name]["draft_versions"] == ref["draft_versions"]
+        # what the draft reads, by checksum: its own tensors must come back exactly
+        changed = changed_tensors(digests["before"], digests[name])
+        report["sleep"][name]["tensors_changed"] = changed
+        checks[f"{name}_same_draft_tensors"] = not changed["drafter"]
     # 3. the serving draft pushed back as a new draft version, then rolled back
     if not args.draft:
         return
@@ -387,11 +396,37 @@ def sleep_and_draft(
     new_version = draft_before["highest_version"] + 1
     report["draft_push_s"] = push(sync, dw, version=new_version, draft=True)
     after = stack.generate(prompts, args.max_tokens)
+    now = stack.control("GET", "/v1/draft")
+    report["draft_push"] = {
+        "acceptance_length": after["acceptance_length"],
+        "draft_versions": after["draft_versions"],
+        "serving_after": now["version"],
+        "auto_rollbacks": now.get("auto_rollbacks"),
+        "tensors_changed": changed_tensors(
+            digests["before"], stack.control("GET", "/v1/draft/digest")["tensors"]
+        ),
+    }
     checks["draft_push_keeps_outputs"] = after["token_ids"] == ref["token_ids"]
     checks["draft_push_keeps_acceptance"] = after["acceptance_length"] == ref["acceptance_length"]
     checks["draft_version_moves"] = after["draft_versions"] == [str(new_version)]
+    if now["version"] != new_version:  # (an automatic rollback already used the one level)
+        checks["draft_push_kept"] = False
+        return
     back = stack.control("POST", "/v1/draft/rollback", json={"reason": "check"})
     checks["rollback_to_the_draft_before"] = back["version"] == draft_before["version"]
+    rolled = stack.generate(prompts, args.max_tokens)
+    report["draft_push"]["acceptance_after_rollback"] = rolled["acceptance_length"]
+    checks["rollback_keeps_outputs"] = rolled["token_ids"] == ref["token_ids"]
+
+
+def changed_tensors(before: dict, after: dict) -> dict[str, list[str]]:
+    """Names whose digest differs (or that appeared or went), the drafter's apart from the
+    proposer's (whose runtime buffers change with every step)."""
+    names = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
+    return {
+        "drafter": [n for n in names if n.startswith("drafter.")],
+        "proposer": [n for n in names if not n.startswith("drafter.")],
+    }
 
 
 if __name__ == "__main__":
