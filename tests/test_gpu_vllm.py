@@ -305,3 +305,56 @@ def test_a_set_split_into_parts_is_joined_and_checked_there(tmp_path: Path) -> N
     shutil.rmtree(tmp_path / "set" / manifest["parts"][-1])
     r = join(tmp_path / "out3")
     assert r.returncode != 0 and "parts still missing" in r.stderr
+
+
+# scripts/gpu_sglang/capture_probe.py runs on the GPU only (SGLang has no CPU build here); its
+# row bookkeeping and the plugin it writes are checked here.
+def _probe():
+    sys.path.insert(0, str(REPO / "scripts" / "gpu_sglang"))
+    import capture_probe
+
+    return capture_probe
+
+
+def test_the_capture_probe_compares_final_rows_and_sees_rejected_ones() -> None:
+    import torch
+
+    probe = _probe()
+    torch.manual_seed(0)
+    final = [5, 6, 7, 8, 9, 10]  # prompt 5 6 7, output 8 9 10
+    ref = torch.randn(6, 4)
+    prefill = {"positions": torch.arange(6), "hidden": ref}
+
+    def rec(mode, ids, pos, hidden):
+        return {"mode": mode, "input_ids": torch.tensor(ids), "positions": torch.tensor(pos),
+                "hidden": hidden}  # fmt: skip
+
+    decode = [
+        rec("EXTEND", [5, 6, 7], [0, 1, 2], ref[:3].clone()),
+        # verify: bonus 8 at 3, drafts 9 (accepted) and 4 (rejected) at 4 and 5
+        rec("TARGET_VERIFY", [8, 9, 4], [3, 4, 5], torch.cat([ref[3:5], ref[5:] + 3.0])),
+    ]
+    r = probe.compare(final, decode, prefill, tol=0.05)
+    assert r["final_rows"] == 5 and r["rejected_rows"] == 1 and r["ok"]
+    assert r["positions_covered"] == r["positions_expected"] == 5
+    assert r["final_rows_max_rel_err"] == 0.0 and r["rejected_rows_min_rel_err"] > 0.5
+    # a capture off by one row (planted from here) is caught
+    decode[1]["hidden"] = torch.cat([ref[4:6], ref[5:]])
+    assert not probe.compare(final, decode, prefill, tol=0.05)["ok"]
+    # a row that matches by chance after a rejection is not final
+    decode[1] = rec("TARGET_VERIFY", [8, 4, 10], [3, 4, 5], ref[3:6].clone())
+    r = probe.compare(final, decode, prefill, tol=0.05)
+    assert r["final_rows"] == 4 and r["rejected_rows"] == 2 and not r["ok"]  # 4 not covered
+
+
+def test_the_capture_probe_writes_a_plugin_sglang_finds(tmp_path: Path, monkeypatch) -> None:
+    import importlib.metadata as md
+
+    probe = _probe()
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "")
+    probe.install_plugin(tmp_path)
+    (ep,) = [e for e in md.entry_points(group="sglang.srt.plugins") if e.name == probe.PLUGIN]
+    assert ep.value == f"{probe.PLUGIN}:register"
+    compile((tmp_path / f"{probe.PLUGIN}.py").read_text(), "plugin", "exec")
+    assert str(tmp_path) in __import__("os").environ["PYTHONPATH"]
