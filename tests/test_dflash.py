@@ -58,6 +58,10 @@ def test_config_round_trips_and_speaks_vllms_layer_ids():
     assert hf["architectures"] == ["DFlashDraftModel"] and hf["model_type"] == "qwen3"
     assert hf["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [0, 2]}
     assert DFlashConfig.from_hf_dict(json.loads(json.dumps(hf))) == cfg
+    # SGLang checks the ids against the target's layer count (without it, the draft's own 2)
+    assert hf["num_target_layers"] == 30
+    old = {k: v for k, v in hf.items() if k != "num_target_layers"}  # a draft saved before it
+    assert DFlashConfig.from_hf_dict(old).num_target_layers is None
     assert dflash_tap_layers(30) == (2, 9, 15, 21, 28)  # ids 1, 8, 14, 20, 27 as DFlash picks
     assert dflash_tap_layers(36) == (2, 10, 18, 26, 34)  # Qwen3-8B's [1, 9, 17, 25, 33]
 
@@ -70,6 +74,7 @@ def test_config_round_trips_and_speaks_vllms_layer_ids():
         (dict(mask_token_id=50), "outside the target vocabulary"),
         (dict(block_size=1), "block_size must be >= 2"),
         (dict(hidden_size=16), "must equal target_hidden_size"),
+        (dict(num_target_layers=2), "reach past the target's 2 layers"),
     ],
 )
 def test_config_refuses_what_vllm_would_misread(bad, match):

@@ -19,6 +19,7 @@ vLLM (the ``DFlashDraftModel`` architecture, ``qwen3_dflash.DFlashQwen3ForCausal
   target's row for that id (the draft shares the target's embedding and lm_head and ships
   neither).
 * Qwen3 attention (``q_norm``/``k_norm`` per head), bias-free, every layer non-causal.
+* ``num_target_layers`` (the target's layer count), which SGLang checks the ids against.
 * ``block_size`` is what the draft was trained on; vLLM proposes ``num_speculative_tokens``
   tokens from ``1 + num_speculative_tokens`` slots, which should be at most ``block_size``.
 """
@@ -74,6 +75,9 @@ class DFlashConfig:
     block_size: int = 8
     mask_token_id: int = 0
     dtype: str = "bfloat16"
+    # the target's layer count: SGLang checks the target layer ids against it and, without
+    # it, against the draft's own (2), refusing any id above; vLLM does not read it
+    num_target_layers: int | None = 30
 
     def __post_init__(self) -> None:
         for name in (
@@ -91,6 +95,13 @@ class DFlashConfig:
                 f"{self.block_size}"
             )
         check_heads(self.num_attention_heads, self.num_key_value_heads, self.head_dim)
+        if self.num_target_layers is not None:
+            self.num_target_layers = _as_int("num_target_layers", self.num_target_layers)
+            if max(self.tap_layers, default=0) > self.num_target_layers:
+                raise ValueError(
+                    f"tap layers {list(self.tap_layers)} reach past the target's "
+                    f"{self.num_target_layers} layers"
+                )
         if self.hidden_size != self.target_hidden_size:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must equal target_hidden_size "
@@ -169,6 +180,7 @@ class DFlashConfig:
             rope_scaling=target.rope_scaling,
             max_position_embeddings=target.max_position_embeddings,
             target_hidden_size=target.hidden_size,
+            num_target_layers=target.num_hidden_layers,
             tap_layers=taps,
             block_size=block_size,
             mask_token_id=mask_token_id,
@@ -202,6 +214,7 @@ class DFlashConfig:
             "torch_dtype": self.dtype,
             "use_sliding_window": False,
             "block_size": self.block_size,
+            **({"num_target_layers": self.num_target_layers} if self.num_target_layers else {}),
             "dflash_config": {
                 "mask_token_id": self.mask_token_id,
                 "target_layer_ids": [t - 1 for t in self.tap_layers],
@@ -247,6 +260,7 @@ class DFlashConfig:
             rope_scaling=scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             target_hidden_size=hf.get("target_hidden_size") or hidden,
+            num_target_layers=hf.get("num_target_layers", dflash.get("num_target_layers")),
             tap_layers=tuple(_as_int("target layer id", t) + 1 for t in ids),
             block_size=hf.get("block_size", 8),
             mask_token_id=dflash["mask_token_id"],

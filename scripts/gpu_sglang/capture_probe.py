@@ -150,7 +150,9 @@ def compare(final: list[int], decode: list[dict], prefill: dict, tol: float) -> 
         "rejected_rows": len(rejected),
         "rejected_rows_min_rel_err": min(rejected) if rejected else None,
         "rejected_rows_median_rel_err": sorted(rejected)[len(rejected) // 2] if rejected else None,
-        "ok": worst is not None and worst <= tol and len(covered) == len(final) - 1,
+        # every position but the last must have been an input (the last may be too: SGLang
+        # verifies once more before it finishes a request)
+        "ok": worst is not None and worst <= tol and set(range(len(final) - 1)) <= covered,
     }
 
 
