@@ -1,14 +1,20 @@
-"""Acceptance of each draft version, overall and over a sliding window, and the rollback rule.
+"""Acceptance of each draft version, overall and over sliding windows, and the rollback rule.
 
 A *verification* is one request's draft proposals checked by the target in one engine step
 (vLLM's "draft"). Each step adds, per draft version, the number of verifications, draft tokens
 proposed and draft tokens accepted. The window of a version is its most recent steps that hold
 at least `window` verifications; its rate is accepted tokens / draft tokens over that window.
 
-Automatic rollback: when the current draft has a full window and its rate falls below
-`fraction` x the previous draft's rate over that draft's last full window (frozen at the swap),
-the current draft is rolled back. A previous draft without a full window gives no reference, so
-it never triggers a rollback.
+Automatic rollback compares *whole requests*: the requests every draft of which one version
+proposed, counted when they finish (`observe`, `close`), over the most recent of them that hold
+at least `window` verifications (`request_rate`). When the current draft's rate falls below
+`fraction` x the previous draft's (frozen at the swap), the current draft is rolled back; a
+previous draft without such a window gives no reference, so it never triggers a rollback.
+Whole requests, not the last steps: acceptance climbs along a generation (the first tokens of an
+answer are the hardest to guess, its tail often repeats), so the first steps of a new batch
+against the last steps of the previous one compare heads with tails. That is what rollout
+traffic looks like (a draft is pushed between batches), and on an H200 it rolled back a draft
+pushed identical to the one serving.
 """
 
 from __future__ import annotations
@@ -53,39 +59,54 @@ class Acceptance:
     def __init__(self, window: int) -> None:
         self.window = window
         self.totals: dict[int, Counts] = {}
-        self._recent: dict[int, deque[tuple[int, int, int]]] = {}
-        self._recent_drafts: dict[int, int] = {}
+        self._steps = _Windows(window)  # by step
+        self._requests = _Windows(window)  # by whole request
+        # requests running: [version (None once two versions proposed), drafts, tokens, accepted]
+        self._open: dict[str, list] = {}
 
     def record(self, version: int, drafts: int, draft_tokens: int, accepted: int) -> None:
         if drafts <= 0:
             return
         self.totals.setdefault(version, Counts()).add(drafts, draft_tokens, accepted)
-        recent = self._recent.setdefault(version, deque())
-        recent.append((drafts, draft_tokens, accepted))
-        held = self._recent_drafts.get(version, 0) + drafts
-        # Drop the oldest steps while the rest still hold a full window.
-        while len(recent) > 1 and held - recent[0][0] >= self.window:
-            held -= recent.popleft()[0]
-        self._recent_drafts[version] = held
+        self._steps.add(version, drafts, draft_tokens, accepted)
+
+    def observe(self, req_id: str, version: int, draft_tokens: int, accepted: int) -> None:
+        """One verification of a running request (its drafts proposed by `version`)."""
+        t = self._open.get(req_id)
+        if t is None:
+            self._open[req_id] = [version, 1, draft_tokens, accepted]
+            return
+        if t[0] != version:
+            t[0] = None
+        t[1] += 1
+        t[2] += draft_tokens
+        t[3] += accepted
+
+    def close(self, req_id: str) -> None:
+        """The request finished: a whole request of one version joins that version's window."""
+        t = self._open.pop(req_id, None)
+        if t is not None and t[0] is not None:
+            self._requests.add(t[0], t[1], t[2], t[3])
 
     def window_counts(self, version: int) -> Counts | None:
-        """Counts over the version's last full window; None before it has `window` drafts."""
-        recent = self._recent.get(version)
-        if not recent:
-            return None
-        c = Counts()
-        for s in recent:
-            c.add(*s)
-        return c if c.drafts >= self.window else None
+        """Counts over the version's last full window of steps; None before it has `window`
+        verifications."""
+        return self._steps.counts(version)
 
     def window_rate(self, version: int) -> float | None:
         c = self.window_counts(version)
         return None if c is None else c.rate
 
+    def request_rate(self, version: int) -> float | None:
+        """The rate over the version's most recent whole requests holding `window`
+        verifications; None before it has them."""
+        c = self._requests.counts(version)
+        return None if c is None else c.rate
+
     def reset_window(self, version: int) -> None:
-        """Forget a version's window (it starts over when it serves again)."""
-        self._recent.pop(version, None)
-        self._recent_drafts.pop(version, None)
+        """Forget a version's windows (they start over when it serves again)."""
+        self._steps.reset(version)
+        self._requests.reset(version)
 
     def snapshot(self) -> dict[str, dict[str, float | int]]:
         return {str(v): c.to_dict() for v, c in sorted(self.totals.items())}
@@ -96,3 +117,34 @@ def should_roll_back(current_rate: float | None, reference: float | None, fracti
     if current_rate is None or reference is None:
         return False
     return current_rate < fraction * reference
+
+
+class _Windows:
+    """Per version, the most recent entries (steps or requests) holding `window` verifications."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._recent: dict[int, deque[tuple[int, int, int]]] = {}
+        self._held: dict[int, int] = {}
+
+    def add(self, version: int, drafts: int, draft_tokens: int, accepted: int) -> None:
+        recent = self._recent.setdefault(version, deque())
+        recent.append((drafts, draft_tokens, accepted))
+        held = self._held.get(version, 0) + drafts
+        # Drop the oldest entries while the rest still hold a full window.
+        while len(recent) > 1 and held - recent[0][0] >= self.window:
+            held -= recent.popleft()[0]
+        self._held[version] = held
+
+    def counts(self, version: int) -> Counts | None:
+        recent = self._recent.get(version)
+        if not recent:
+            return None
+        c = Counts()
+        for s in recent:
+            c.add(*s)
+        return c if c.drafts >= self.window else None
+
+    def reset(self, version: int) -> None:
+        self._recent.pop(version, None)
+        self._held.pop(version, None)

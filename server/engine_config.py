@@ -46,7 +46,8 @@ class EngineConfig:
     tap_device_ring: bool = False
     # --- automatic rollback of a new draft whose acceptance collapses
     auto_rollback: bool = True
-    rollback_window: int = 64  # verifications (one request's drafts checked in one step)
+    # verifications (one request's drafts checked in one step) over whole requests
+    rollback_window: int = 64
     rollback_fraction: float = 0.5  # roll back below this fraction of the previous draft's rate
     # --- bookkeeping
     request_versions_max: int = 65536  # finished request ids remembered for /v1 responses

@@ -68,8 +68,8 @@ RPC interface (all values plain JSON types):
   vLLM's internal suffix "-xxxxxxxx" and the "<i>_" prefix of n>1 children are matched.
 
 Acceptance is attributed to the draft version that proposed the tokens (the one serving when
-the previous step ran). Automatic rollback: see codraft.server.acceptance; it runs at the start of
-the next engine step (or RPC) after the window shows the collapse.
+the previous step ran). Automatic rollback: see codraft.server.acceptance (whole requests); it
+runs at the start of the next engine step (or RPC) after the window shows the collapse.
 """
 
 from __future__ import annotations
@@ -315,32 +315,31 @@ class CodraftEngine(StepListener):
         self.capture.on_step(record, sampled_ids)
 
     def _account(self, record: StepRecord, sampled_ids: list[list[int]] | None) -> None:
-        """Acceptance per proposing draft version and the automatic-rollback rule, in step
-        order."""
+        """Acceptance per proposing draft version, by step and by request, in step order."""
         if sampled_ids is None or record.context is None:
             return
+        version = record.context.proposer_version
         drafts = draft_tokens = accepted = 0
         for s, toks in zip(record.slices, sampled_ids, strict=True):
             if s.num_drafts:
+                a = hooks.accepted(s, toks)
                 drafts += 1
                 draft_tokens += s.num_drafts
-                accepted += hooks.accepted(s, toks)
-        self.acceptance.record(record.context.proposer_version, drafts, draft_tokens, accepted)
-        if (
-            self.cfg.auto_rollback
-            and self.previous is not None
-            and self.pending_rollback is None
-            and should_roll_back(
-                self.acceptance.window_rate(self.current.version),
-                self.reference_rate,
-                self.cfg.rollback_fraction,
-            )
-        ):
-            rate = self.acceptance.window_rate(self.current.version)
+                accepted += a
+                self.acceptance.observe(s.req_id, version, s.num_drafts, a)
+        self.acceptance.record(version, drafts, draft_tokens, accepted)
+
+    def _check_rollback(self) -> None:
+        """The automatic-rollback rule (codraft.server.acceptance), over whole requests."""
+        if not self.cfg.auto_rollback or self.previous is None or self.pending_rollback:
+            return
+        rate = self.acceptance.request_rate(self.current.version)
+        if should_roll_back(rate, self.reference_rate, self.cfg.rollback_fraction):
             self.pending_rollback = (
                 f"auto: draft v{self.current.version} accepts {rate:.3f} of its tokens over "
-                f"{self.cfg.rollback_window}+ verifications, below {self.cfg.rollback_fraction} "
-                f"x v{self.previous.version}'s {self.reference_rate:.3f}"
+                f"whole requests holding {self.cfg.rollback_window}+ verifications, below "
+                f"{self.cfg.rollback_fraction} x v{self.previous.version}'s "
+                f"{self.reference_rate:.3f}"
             )
 
     def run_pending(self) -> None:
@@ -364,6 +363,8 @@ class CodraftEngine(StepListener):
             self.publisher.put(msg)
 
     def _finished(self, req_id: str) -> None:
+        self.acceptance.close(req_id)
+        self._check_rollback()
         version = self.current.version
         for key in request_aliases(req_id):
             self.versions_by_request[key] = max(version, self.versions_by_request.get(key, -1))
@@ -437,7 +438,7 @@ class CodraftEngine(StepListener):
             return reply
         old, new = self.previous, self.current
         assert old is not None
-        self.reference_rate = self.acceptance.window_rate(old.version)
+        self.reference_rate = self.acceptance.request_rate(old.version)
         self.acceptance.reset_window(new.version)
         self.swaps += 1
         log.info("codraft: draft v%d -> v%d (%s)", old.version, new.version, reply["timing_ms"])

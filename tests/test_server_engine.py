@@ -790,6 +790,43 @@ def test_rollback_rule_needs_a_full_window() -> None:
     assert acc.snapshot()["1"]["acceptance_length"] == pytest.approx(1 + 18 / 8)
 
 
+def _generate(acc, version: int, first: int, n: int, steps: int, rates: list[float]) -> None:
+    """`n` requests (ids first..) of `steps` verifications of 4 drafts each, all proposed by
+    `version`, accepting rates[i] of them at step i (acceptance climbs along a generation),
+    each finishing after its last step."""
+    for i in range(steps):
+        for r in range(first, first + n):
+            acc.observe(str(r), version, 4, round(4 * rates[i]))
+        acc.record(version, n, 4 * n, n * round(4 * rates[i]))
+    for r in range(first, first + n):
+        acc.close(str(r))
+
+
+def test_the_rollback_rule_compares_whole_requests_not_heads_with_tails() -> None:
+    """A draft pushed identical to the serving one between two batches: over steps, its first
+    window (the batch's heads) against the previous draft's last (the tails) looks like a
+    collapse; over whole requests it is the same rate. A broken draft is still caught."""
+    from codraft.server.acceptance import Acceptance, should_roll_back
+
+    climb = [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    acc = Acceptance(window=16)
+    _generate(acc, 4, 0, 8, 6, climb)
+    reference_steps, reference = acc.window_rate(4), acc.request_rate(4)
+    assert reference_steps == 1.0 and reference == pytest.approx(3.5 / 6)
+    _generate(acc, 5, 100, 8, 6, climb)  # v5: the same draft, the next batch
+    heads = Acceptance(window=16)
+    _generate(heads, 5, 0, 8, 2, climb)  # the first steps alone, as the step rule saw them
+    assert should_roll_back(heads.window_rate(5), reference_steps, 0.5)  # the old rule: rolled
+    assert not should_roll_back(acc.request_rate(5), reference, 0.5)  # whole requests: kept
+    _generate(acc, 6, 200, 8, 6, [0.0] * 6)  # a broken draft
+    assert should_roll_back(acc.request_rate(6), reference, 0.5)
+    # a request that two versions proposed for counts for neither
+    acc.observe("x", 6, 4, 4)
+    acc.observe("x", 7, 4, 4)
+    acc.close("x")
+    assert acc.request_rate(7) is None and acc.request_rate(6) == 0.0
+
+
 def test_tap_buffer_keeps_rows_by_position() -> None:
     import numpy as np
 
