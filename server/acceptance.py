@@ -13,8 +13,8 @@ previous draft without such a window gives no reference, so it never triggers a 
 Whole requests, not the last steps: acceptance climbs along a generation (the first tokens of an
 answer are the hardest to guess, its tail often repeats), so the first steps of a new batch
 against the last steps of the previous one compare heads with tails. That is what rollout
-traffic looks like (a draft is pushed between batches), and on an H200 it rolled back a draft
-pushed identical to the one serving.
+traffic looks like (a draft is pushed between batches); on an H200 a draft pushed identical
+to the one serving was rolled back, most likely so.
 """
 
 from __future__ import annotations
