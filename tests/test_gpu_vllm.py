@@ -358,3 +358,49 @@ def test_the_capture_probe_writes_a_plugin_sglang_finds(tmp_path: Path, monkeypa
     assert ep.value == f"{probe.PLUGIN}:register"
     compile((tmp_path / f"{probe.PLUGIN}.py").read_text(), "plugin", "exec")
     assert str(tmp_path) in __import__("os").environ["PYTHONPATH"]
+
+
+def test_the_capture_probe_cuts_a_batch_by_request_and_checks_sglangs_accept_lengths() -> None:
+    import torch
+
+    probe = _probe()
+    torch.manual_seed(1)
+    finals = {"a": [1, 2, 3, 4, 5], "b": [7, 8, 9, 6]}  # prompts [1, 2, 3] and [7, 8]
+    refs = {r: torch.randn(len(f), 4) for r, f in finals.items()}
+
+    def forward(mode, ids, pos, hidden):
+        return {"kind": "forward", "mode": mode, "input_ids": torch.tensor(ids),
+                "positions": torch.tensor(pos), "hidden": hidden}  # fmt: skip
+
+    a, b = refs["a"], refs["b"]
+    records = [
+        forward("EXTEND", [1, 2, 3, 7, 8], [0, 1, 2, 0, 1], torch.cat([a[:3], b[:2]])),
+        {
+            "kind": "batch",
+            "rids": ["a", "b"],
+            "extend_lens": [3, 2],
+            "accept_lens": None,
+            "num_draft_tokens": None,
+        },  # fmt: skip
+        # verify, 2 rows each: a [4 (bonus), 5 (accepted)]; b [9 (bonus), 0 (rejected)]
+        forward("TARGET_VERIFY", [4, 5, 9, 0], [3, 4, 2, 3], torch.cat([a[3:], b[2:3], b[3:] + 1])),
+        {
+            "kind": "batch",
+            "rids": ["a", "b"],
+            "extend_lens": None,
+            "accept_lens": torch.tensor([2, 1]),
+            "num_draft_tokens": 2,
+        },  # fmt: skip
+    ]
+    per = probe.split_by_request(records)
+    assert sorted(per) == ["a", "b"] and [len(r["input_ids"]) for r in per["b"]] == [2, 2]
+    for rid, final in finals.items():
+        prefill = {"positions": torch.arange(len(final)), "hidden": refs[rid]}
+        r = probe.compare(final, per[rid], prefill, tol=0.05)
+        assert r["ok"] and r["accept_len_mismatches"] == 0, (rid, r)
+    # SGLang saying b accepted a draft it did not (planted here) is caught
+    records[3]["accept_lens"] = torch.tensor([2, 2])
+    per = probe.split_by_request(records)
+    prefill = {"positions": torch.arange(4), "hidden": b}
+    assert probe.compare(finals["b"], per["b"], prefill, tol=0.05)["accept_len_mismatches"] == 1
+    assert probe.split_by_request([r for r in records if r["kind"] == "forward"]) is None

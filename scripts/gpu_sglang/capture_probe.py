@@ -10,15 +10,21 @@ returns for the draft (with EAGLE-3 or DFlash, SGLang's model concatenates the t
 residual streams: codraft's taps) to one file per forward. The forward itself is untouched, and
 with CUDA graphs the hook sees what the replay returns.
 
-Then, one request at a time (batch 1), greedy: generate with speculation; send the final
-sequence again as a fresh prompt (radix cache off, so every position is computed in one
-prefill); compare, position by position, the features captured while decoding (the prompt's
+Then, --batch requests at a time (greedy): generate with speculation; send each final sequence
+again as a fresh prompt (radix cache off, so every position is computed in one prefill);
+compare, position by position, the features captured while decoding (the prompt's
 prefill rows, and in each verification the rows up to the first rejected draft) with the fresh
-prefill's. The rows of rejected drafts are compared too: they differ (another token at that
-position), which shows that the comparison can fail.
+prefill's. With EAGLE-3 a second hook, on the EAGLE worker's step, records which requests the
+batch holds, in order, and how many tokens each accepted: each request's rows are cut from the
+batch by it (so batches above 1 can be checked), and SGLang's accepted lengths are checked
+against the rows that match the final sequence (the bookkeeping a capture would use). The rows
+of rejected drafts are compared too: they differ (another token at that position), which shows
+that the comparison can fail.
 
     .gpu_sglang_venv/bin/python scripts/gpu_sglang/capture_probe.py --work runs/gpu_work/sgl \\
-        --out "$OUT" --algorithm DFLASH --draft .gpu_carry/dflash
+        --out "$OUT" --algorithm EAGLE3 --batch 8 --prompts 8
+    .gpu_sglang_venv/bin/python scripts/gpu_sglang/capture_probe.py --work runs/gpu_work/sgl \\
+        --out "$OUT" --algorithm DFLASH --draft .gpu_carry/dflash      # one request at a time
 
 (--work holds `target` from `eagle3_smoke.py prepare`; EAGLE3 takes its `draft` by default.)
 Writes $OUT/sglang_capture.json; exit 0 when every accepted row matched the fresh prefill
@@ -61,6 +67,7 @@ def _around_forward(original, self, forward_batch, *args, **kwargs):
     try:
         hidden = getattr(out.logits_output, "hidden_states", None)
         record = {{
+            "kind": "forward",
             "mode": forward_batch.forward_mode.name,
             "batch_size": int(forward_batch.batch_size),
             "input_ids": forward_batch.input_ids.detach().cpu(),
@@ -76,12 +83,41 @@ def _around_forward(original, self, forward_batch, *args, **kwargs):
     return out
 
 
+def _around_generation(original, self, batch, *args, **kwargs):
+    """The EAGLE worker's step: which requests, in order, and how many tokens each accepted."""
+    out = original(self, batch, *args, **kwargs)
+    import torch
+
+    folder = Path(os.environ["{RECORDS_ENV}"])
+    n = next(_count)
+    try:
+        extend = batch.forward_mode.is_extend() or bool(getattr(batch, "is_extend_in_batch", 0))
+        accept = getattr(out, "accept_lens", None)
+        record = {{
+            "kind": "batch",
+            "mode": batch.forward_mode.name,
+            "rids": [r.rid for r in batch.reqs],
+            "extend_lens": list(batch.extend_lens) if extend and batch.extend_lens else None,
+            "accept_lens": None if extend or accept is None else accept.detach().cpu(),
+            "num_draft_tokens": getattr(out, "speculative_num_draft_tokens", None),
+        }}
+        torch.save(record, folder / f"{{os.getpid()}}-{{n:07d}}.pt")
+    except Exception as err:
+        (folder / f"{{os.getpid()}}-{{n:07d}}.err").write_text(repr(err))
+    return out
+
+
 def register():
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner.forward",
         _around_forward,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation",
+        _around_generation,
         HookType.AROUND,
     )
 '''
@@ -114,6 +150,43 @@ def take_records(folder: Path, seen: set[str]) -> list[dict]:
     return [torch.load(p) for p in new if p.suffix == ".pt"]
 
 
+def _rows(rec: dict, start: int, n: int, mode: str, accept_len: int | None) -> dict:
+    return {
+        "mode": mode,
+        "input_ids": rec["input_ids"][start : start + n],
+        "positions": rec["positions"][start : start + n],
+        "hidden": rec["hidden"][start : start + n],
+        "accept_len": accept_len,
+    }
+
+
+def split_by_request(records: list[dict]) -> dict[str, list[dict]] | None:
+    """Each request's rows, from the target's forward records and the EAGLE worker's batch
+    records that follow them (which requests, in order; extend lengths; accepted lengths); None
+    when there are no batch records (another worker: DFlash)."""
+    out: dict[str, list[dict]] = {}
+    last, seen = None, False
+    for rec in records:
+        if rec.get("kind", "forward") == "forward":
+            last = rec
+            continue
+        seen = True
+        if last is None or last["hidden"] is None:
+            continue
+        if rec["extend_lens"] is not None:
+            offset = 0
+            for rid, n in zip(rec["rids"], rec["extend_lens"], strict=True):
+                out.setdefault(rid, []).append(_rows(last, offset, n, "EXTEND", None))
+                offset += n
+        elif rec["accept_lens"] is not None:
+            k = int(rec["num_draft_tokens"])
+            for i, rid in enumerate(rec["rids"]):
+                accept = int(rec["accept_lens"][i])
+                out.setdefault(rid, []).append(_rows(last, i * k, k, "TARGET_VERIFY", accept))
+        last = None
+    return out if seen else None
+
+
 def compare(final: list[int], decode: list[dict], prefill: dict, tol: float) -> dict[str, Any]:
     """Rows captured while decoding against the fresh prefill of `final`, by position: final
     rows (prefill rows; in a verification, rows until the first whose token is not the final
@@ -121,7 +194,7 @@ def compare(final: list[int], decode: list[dict], prefill: dict, tol: float) -> 
     ref_pos = prefill["positions"].tolist()
     ref = {p: prefill["hidden"][i] for i, p in enumerate(ref_pos)}
     accepted, rejected, modes = [], [], {}
-    covered = set()
+    covered, accept_mismatch = set(), 0
     for rec in decode:
         modes[rec["mode"]] = modes.get(rec["mode"], 0) + 1
         if rec["hidden"] is None:
@@ -140,6 +213,12 @@ def compare(final: list[int], decode: list[dict], prefill: dict, tol: float) -> 
             (accepted if final_row else rejected).append(err)
             if final_row:
                 covered.add(p)
+        if rec.get("accept_len") is not None:  # SGLang's count of new tokens = final rows
+            n_final = next((i for i, t in enumerate(ids) if pos[i] >= len(final)
+                            or t != final[pos[i]]), len(ids))  # fmt: skip
+            accept_mismatch += n_final != rec["accept_len"] and pos[0] + rec["accept_len"] <= len(
+                final
+            )
     worst = max(accepted) if accepted else None
     return {
         "modes": modes,
@@ -152,7 +231,11 @@ def compare(final: list[int], decode: list[dict], prefill: dict, tol: float) -> 
         "rejected_rows_median_rel_err": sorted(rejected)[len(rejected) // 2] if rejected else None,
         # every position but the last must have been an input (the last may be too: SGLang
         # verifies once more before it finishes a request)
-        "ok": worst is not None and worst <= tol and set(range(len(final) - 1)) <= covered,
+        "accept_len_mismatches": accept_mismatch,
+        "ok": worst is not None
+        and worst <= tol
+        and set(range(len(final) - 1)) <= covered
+        and not accept_mismatch,
     }
 
 
@@ -166,6 +249,7 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--tol", type=float, default=0.05)
+    p.add_argument("--batch", type=int, default=1, help="requests decoded together (EAGLE3)")
     p.add_argument("--mem-fraction", type=float, default=0.3)
     p.add_argument("--attention-backend", default="flashinfer")
     args = p.parse_args()
@@ -209,23 +293,39 @@ def main() -> int:
         take_records(records, seen)  # start-up's warm-up forwards
         params = {"temperature": 0.0, "max_new_tokens": args.max_tokens, "ignore_eos": True}
         results = []
+        prompts = []
         for q in load_prompts()["heldout"][: args.prompts]:
             prompt = tok.apply_chat_template([{"role": "user", "content": q}],
                                              add_generation_prompt=True)  # fmt: skip
-            prompt = prompt if isinstance(prompt, list) else list(prompt["input_ids"])
-            o = engine.generate(input_ids=prompt, sampling_params=params)
-            final = prompt + list(o["output_ids"])
+            prompts.append(prompt if isinstance(prompt, list) else list(prompt["input_ids"]))
+        for g in range(0, len(prompts), args.batch):
+            group = prompts[g : g + args.batch]
+            outs = engine.generate(input_ids=group, sampling_params=params)
             decode = take_records(records, seen)
-            engine.generate(input_ids=final, sampling_params={**params, "max_new_tokens": 1})
-            fresh = [r for r in take_records(records, seen) if r["hidden"] is not None]
-            prefill = next((r for r in fresh if len(r["input_ids"]) == len(final)), None)
-            if prefill is None:
-                raise RuntimeError(
-                    f"no single prefill of the {len(final)}-token sequence among "
-                    f"{[(r['mode'], len(r['input_ids'])) for r in fresh]}"
-                )
-            results.append(compare(final, decode, prefill, args.tol))
-            print(json.dumps(results[-1]), flush=True)
+            per_request = split_by_request(decode)
+            if per_request is None and len(group) > 1:
+                raise RuntimeError("--batch > 1 needs the EAGLE worker's records (EAGLE3)")
+            for prompt, o in zip(group, outs, strict=True):
+                final = prompt + list(o["output_ids"])
+                rid = o.get("meta_info", {}).get("id")
+                mine = decode if per_request is None else per_request.get(rid)
+                if mine is None and per_request is not None and len(per_request) == 1:
+                    mine = next(iter(per_request.values()))
+                if mine is None:
+                    raise RuntimeError(f"no rows of request {rid!r} in {list(per_request or {})}")
+                engine.generate(input_ids=[final], sampling_params={**params, "max_new_tokens": 1})
+                fresh = [
+                    r for r in take_records(records, seen)
+                    if r.get("kind", "forward") == "forward" and r["hidden"] is not None
+                ]  # fmt: skip
+                prefill = next((r for r in fresh if len(r["input_ids"]) == len(final)), None)
+                if prefill is None:
+                    raise RuntimeError(
+                        f"no single prefill of the {len(final)}-token sequence among "
+                        f"{[(r['mode'], len(r['input_ids'])) for r in fresh]}"
+                    )
+                results.append({"batch": len(group), **compare(final, mine, prefill, args.tol)})
+                print(json.dumps(results[-1]), flush=True)
         report["requests"] = results
         info = engine.get_server_info()
         report["acceptance_length"] = (info.get("internal_states") or [{}])[0].get(
