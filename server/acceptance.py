@@ -56,8 +56,9 @@ class Counts:
 class Acceptance:
     """Per-version totals and sliding windows (see module doc)."""
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, max_open: int = 65536) -> None:
         self.window = window
+        self.max_open = max_open  # running requests tracked (a request never closed ages out)
         self.totals: dict[int, Counts] = {}
         self._steps = _Windows(window)  # by step
         self._requests = _Windows(window)  # by whole request
@@ -75,6 +76,8 @@ class Acceptance:
         t = self._open.get(req_id)
         if t is None:
             self._open[req_id] = [version, 1, draft_tokens, accepted]
+            if len(self._open) > self.max_open:  # the oldest first (insertion order)
+                del self._open[next(iter(self._open))]
             return
         if t[0] != version:
             t[0] = None
@@ -122,8 +125,9 @@ def should_roll_back(current_rate: float | None, reference: float | None, fracti
 class _Windows:
     """Per version, the most recent entries (steps or requests) holding `window` verifications."""
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, max_open: int = 65536) -> None:
         self.window = window
+        self.max_open = max_open  # running requests tracked (a request never closed ages out)
         self._recent: dict[int, deque[tuple[int, int, int]]] = {}
         self._held: dict[int, int] = {}
 

@@ -825,6 +825,10 @@ def test_the_rollback_rule_compares_whole_requests_not_heads_with_tails() -> Non
     acc.observe("x", 7, 4, 4)
     acc.close("x")
     assert acc.request_rate(7) is None and acc.request_rate(6) == 0.0
+    small = Acceptance(window=1, max_open=2)  # requests never closed do not pile up
+    for r in range(5):
+        small.observe(str(r), 1, 4, 4)
+    assert list(small._open) == ["3", "4"]
 
 
 def test_tap_buffer_keeps_rows_by_position() -> None:
