@@ -119,6 +119,12 @@ class Stack:
         _stop(self.learner)
         self.learner = None
 
+    def auto_rollbacks(self) -> float | None:
+        """codraft's count of automatic draft rollbacks (/metrics)."""
+        text = httpx.get(f"{self.server.control_url}/metrics", timeout=60).text
+        m = re.search(r"^codraft_draft_auto_rollbacks(?:_total)?(?:{[^}]*})? (\S+)$", text, re.M)
+        return float(m.group(1)) if m else None
+
     def control(self, method: str, path: str, **kw: Any) -> dict:
         r = httpx.request(method, self.server.control_url + path, headers=self.auth,
                           timeout=600, **kw)  # fmt: skip
@@ -401,7 +407,7 @@ def sleep_and_draft(
         "acceptance_length": after["acceptance_length"],
         "draft_versions": after["draft_versions"],
         "serving_after": now["version"],
-        "auto_rollbacks": now.get("auto_rollbacks"),
+        "auto_rollbacks": stack.auto_rollbacks(),
         "tensors_changed": changed_tensors(
             digests["before"], stack.control("GET", "/v1/draft/digest")["tensors"]
         ),
