@@ -404,3 +404,24 @@ def test_the_capture_probe_cuts_a_batch_by_request_and_checks_sglangs_accept_len
     prefill = {"positions": torch.arange(4), "hidden": b}
     assert probe.compare(finals["b"], per["b"], prefill, tol=0.05)["accept_len_mismatches"] == 1
     assert probe.split_by_request([r for r in records if r["kind"] == "forward"]) is None
+
+
+def test_the_sglang_sweep_counts_acceptance_per_batch_and_catches_a_differing_output() -> None:
+    """scripts/gpu_sglang/eagle3_smoke.py's bookkeeping (its engines run on the GPU only)."""
+    sys.path.insert(0, str(REPO / "scripts" / "gpu_sglang"))
+    import eagle3_smoke as smoke
+
+    def out(ids, verify=0, correct=0):
+        meta = {"spec_verify_ct": verify, "spec_num_correct_drafts": correct} if verify else {}
+        return {"output_ids": ids, "meta_info": meta}
+
+    row = smoke.batch_row([out([1, 2, 3], 2, 1), out([4, 5, 6], 2, 3)], seconds=2.0)
+    assert row["tokens_per_s"] == 3.0 and row["acceptance_length"] == 1 + 4 / 4
+    assert smoke.batch_row([out([1])], 1.0)["acceptance_length"] is None  # no speculation
+    plain = {"batches": [smoke.batch_row([out([1, 2])], 1.0), smoke.batch_row([out([3, 4])], 1.0)]}
+    spec = {"batches": [smoke.batch_row([out([1, 2], 1, 1)], 0.5),
+                        smoke.batch_row([out([3, 9], 1, 1)], 0.5)]}  # fmt: skip
+    report, lossless = smoke.compare_arms({"plain": plain, "eagle3": spec, "dflash": None})
+    assert lossless == {"eagle3": False}  # the second batch's output differs
+    assert [r["identical_outputs"] for r in report["eagle3"]] == ["1/1", "0/1"]
+    assert report["eagle3"][0]["speedup"] == 2.0 and "dflash" not in report

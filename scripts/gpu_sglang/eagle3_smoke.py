@@ -11,14 +11,17 @@ Two steps, in two environments (the SGLang venv holds no codraft):
     .gpu_sglang_venv/bin/python scripts/gpu_sglang/eagle3_smoke.py run --work runs/gpu_work/sgl \\
         --out "$OUT" --attention-backend flashinfer
 
-`run` starts `sglang.Engine` twice in one process, without and with EAGLE-3 (k = 3 steps, top-1,
-4 draft tokens; with `--dflash DIR` a third time, SGLang's DFlash with that draft), sends the
-same held-out prompts greedily, and records per arm: greedy token
-ids, seconds, tokens/s, and SGLang's own mean acceptance length; then whether every output is
-identical across the arms (the lossless check). Each stage (import, engine start, generation)
-is recorded with its error and traceback when it fails, so a failed attempt says where: import,
-kernel load, JIT, memory. Writes $OUT/sglang_eagle3.json; exit 0 when every arm ran and every
-output matched.
+`run` starts `sglang.Engine` in turn without speculation, with EAGLE-3 (k = 3 steps, top-1, 4
+draft tokens) and, with `--dflash DIR`, with SGLang's DFlash and that draft; each one warms up at
+every batch size, then runs batches of 1, 8, 32, 64 greedy requests of --max-tokens tokens
+(ignore_eos) on the 64 held-out questions, chat template applied: the method and prompts of
+scripts/gpu_vllm/bench_serving.py, so the figures stand beside codraft's vLLM engine's. Per arm
+and batch: tokens/s, the acceptance length SGLang counted for those requests (1 + accepted
+drafts per verification, from each response's meta_info), greedy outputs identical to the plain
+arm's (the lossless check) and the speed-up over it. Each stage (import, engine start, the
+sweep) is recorded with its error and traceback when it fails, so a failed attempt says where:
+import, kernel load, JIT, memory. Writes $OUT/sglang_eagle3.json; exit 0 when every arm ran and
+every output matched.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "gpu_vllm"))  # make_prompts, stages
+sys.path.insert(0, str(HERE.parent / "gpu_vllm"))  # make_prompts, stages, bench_serving
 from stages import Stages  # noqa: E402 (after the path)
 
 
@@ -61,32 +64,72 @@ def prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def batch_row(outs: list[dict], seconds: float) -> dict[str, Any]:
+    """One timed batch: greedy token ids, tokens/s, and the acceptance length SGLang counted
+    for these requests (1 + accepted drafts per verification, vLLM's definition: from each
+    response's `spec_num_correct_drafts` and `spec_verify_ct`; None without speculation)."""
+    ids = [list(o["output_ids"]) for o in outs]
+    metas = [o.get("meta_info") or {} for o in outs]
+    verifications = sum(m.get("spec_verify_ct", 0) for m in metas)
+    accepted = sum(m.get("spec_num_correct_drafts", 0) for m in metas)
+    return {
+        "batch": len(outs), "token_ids": ids, "seconds": seconds,
+        "tokens_per_s": sum(len(i) for i in ids) / seconds,
+        "acceptance_length": 1 + accepted / verifications if verifications else None,
+    }  # fmt: skip
+
+
 def arm(stages: Stages, name: str, engine_kwargs: dict, prompts: list[list[int]],
-        max_tokens: int) -> dict | None:  # fmt: skip
+        max_tokens: int, batches: list[int]) -> dict | None:  # fmt: skip
+    """One engine: a warm-up at every batch size (kernels specialise on it), then each batch of
+    the sweep timed once, as scripts/gpu_vllm/bench_serving.py does for vLLM."""
     import sglang
+    from bench_serving import batch_prompts
 
     engine = stages.run(f"{name}_start", lambda: sglang.Engine(**engine_kwargs))
     if engine is None:
         return None
     try:
         params = {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": True}
-        t0 = time.perf_counter()
-        outs = stages.run(
-            f"{name}_generate", lambda: engine.generate(input_ids=prompts, sampling_params=params)
-        )
-        seconds = time.perf_counter() - t0
-        if outs is None:
-            return None
-        ids = [o["output_ids"] for o in outs]
-        info = stages.run(f"{name}_server_info", engine.get_server_info) or {}
-        states = info.get("internal_states") or [{}]
-        return {
-            "token_ids": ids, "seconds": seconds,
-            "tokens_per_s": sum(len(i) for i in ids) / seconds,
-            "acceptance_length": states[0].get("avg_spec_accept_length"),
-        }  # fmt: skip
+        warm = {**params, "max_new_tokens": 8}
+
+        def sweep() -> list[dict[str, Any]]:
+            for b in sorted(set(batches)):
+                engine.generate(input_ids=batch_prompts(prompts, b), sampling_params=warm)
+            rows = []
+            for b in batches:
+                t0 = time.perf_counter()
+                outs = engine.generate(input_ids=batch_prompts(prompts, b), sampling_params=params)
+                rows.append(batch_row(outs, time.perf_counter() - t0))
+            return rows
+
+        rows = stages.run(f"{name}_generate", sweep)
+        return None if rows is None else {"batches": rows}
     finally:
         stages.run(f"{name}_shutdown", engine.shutdown)
+
+
+def compare_arms(results: dict[str, dict | None]) -> tuple[dict[str, Any], dict[str, bool]]:
+    """Per arm and batch: tokens/s, acceptance, identical outputs to the plain arm's and the
+    speed-up over it; and whether each speculative arm was lossless at every batch."""
+    report: dict[str, Any] = {}
+    lossless: dict[str, bool] = {}
+    plain = results.get("plain")
+    for name, res in results.items():
+        if res is None:
+            continue
+        rows = []
+        bases = plain["batches"] if plain else [None] * len(res["batches"])
+        for r, base in zip(res["batches"], bases, strict=True):  # the same sweep, in order
+            row = {k: v for k, v in r.items() if k != "token_ids"}
+            if name != "plain" and base is not None:
+                same = [a == b for a, b in zip(base["token_ids"], r["token_ids"], strict=True)]
+                row["identical_outputs"] = f"{sum(same)}/{len(same)}"
+                row["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+                lossless[name] = lossless.get(name, True) and all(same)
+            rows.append(row)
+        report[name] = rows
+    return report, lossless
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(work / "target"))
-        questions = load_prompts()["heldout"][: args.prompts]
+        questions = load_prompts()["heldout"]
         prompts = [
             tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
             for q in questions
@@ -126,18 +169,10 @@ def run(args: argparse.Namespace) -> int:
                 "speculative_draft_model_path": str(Path(args.dflash).resolve()),
                 "speculative_num_draft_tokens": block,
             }  # fmt: skip
-        results = {n: arm(stages, n, kw, prompts, args.max_tokens) for n, kw in arms.items()}
-        for name, res in results.items():
-            if res is not None:
-                report[name] = {k: v for k, v in res.items() if k != "token_ids"}
-        plain, lossless = results["plain"], {}
-        for name, res in results.items():
-            if name == "plain" or plain is None or res is None:
-                continue
-            same = [a == b for a, b in zip(plain["token_ids"], res["token_ids"], strict=True)]
-            report[name]["identical_outputs"] = f"{sum(same)}/{len(same)}"
-            report[name]["speedup"] = res["tokens_per_s"] / plain["tokens_per_s"]
-            lossless[name] = all(same)
+        batches = [int(b) for b in args.batches.split(",")]
+        results = {n: arm(stages, n, kw, prompts, args.max_tokens, batches)
+                   for n, kw in arms.items()}  # fmt: skip
+        report["arms"], lossless = compare_arms(results)
         report["ok"] = len(lossless) == len(arms) - 1 and all(lossless.values())
     report.setdefault("ok", False)
     (out / "sglang_eagle3.json").write_text(json.dumps(report, indent=2))
@@ -155,7 +190,7 @@ def main() -> int:
     pr.add_argument("--work", default="runs/gpu_work/sgl")
     pr.add_argument("--out", required=True)
     pr.add_argument("--k", type=int, default=3)
-    pr.add_argument("--prompts", type=int, default=32)
+    pr.add_argument("--batches", default="1,8,32,64", help="as bench_serving.py's")
     pr.add_argument("--max-tokens", type=int, default=128)
     pr.add_argument("--mem-fraction", type=float, default=0.3)
     pr.add_argument("--attention-backend", default="flashinfer", help="fa3, flashinfer, triton")
