@@ -26,10 +26,11 @@ Two halves, so that the engine step never waits for the device nor builds a mess
   token ids against the request's sequence and hands the message to the publisher. Loss mask:
   0 on prompt tokens, 1 on generated ones.
 
-In "full" mode a request whose first rows were never computed here (a prefix-cache hit) or whose
-policy changed mid-request is not sent and is counted as incomplete: run the engine without
-prefix caching when the tap is on in "full" mode. With async scheduling a request may still be
-scheduled for a step after the one that ended it; such rows are ignored.
+In "full" mode a request whose first rows were never computed here (a prefix-cache hit), whose
+last rows never arrived, or whose policy changed mid-request is not sent and is counted as
+incomplete (a message holds every input of the final sequence or is not sent): run the engine
+without prefix caching when the tap is on in "full" mode. With async scheduling a request may
+still be scheduled for a step after the one that ended it; such rows are ignored.
 """
 
 from __future__ import annotations
@@ -407,6 +408,11 @@ class Assembler:
             log.debug("tap capture of %s not sent: %s", state.req_id, why)
             return
         final_len = len(state.prompt_ids) + len(state.outputs)
+        if buf.base + buf.length < final_len - 1:  # every input of the final sequence, or none
+            self.stats.requests_incomplete += 1
+            log.debug("tap capture of %s not sent: rows %d..%d were never captured",
+                      state.req_id, buf.base + buf.length, final_len - 2)  # fmt: skip
+            return
         buf.truncate(max(final_len - 1 - buf.base, 0))
         pieces = []
         while buf.length > 0:
