@@ -125,9 +125,8 @@ def should_roll_back(current_rate: float | None, reference: float | None, fracti
 class _Windows:
     """Per version, the most recent entries (steps or requests) holding `window` verifications."""
 
-    def __init__(self, window: int, max_open: int = 65536) -> None:
+    def __init__(self, window: int) -> None:
         self.window = window
-        self.max_open = max_open  # running requests tracked (a request never closed ages out)
         self._recent: dict[int, deque[tuple[int, int, int]]] = {}
         self._held: dict[int, int] = {}
 

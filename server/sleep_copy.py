@@ -68,6 +68,34 @@ def _target_storages(target: nn.Module) -> set[int]:
     return {p for t in [*target.parameters(), *target.buffers()] if (p := _storage_ptr(t))}
 
 
+def module_tensors(model: nn.Module, attributes: bool = True) -> list[tuple[str, Place]]:
+    """A module tree's tensors by name ("<module path>.<name>"): parameters, buffers and, with
+    `attributes`, the tensors its modules keep as plain attributes (derived ones, aliases),
+    never an attention layer's KV cache (no state, and a sleep's to drop). Meta and empty
+    tensors included: the caller decides."""
+    out = []
+    for prefix, module in model.named_modules(remove_duplicate=True):
+        base = f"{prefix}." if prefix else ""
+        out += [
+            (base + k, Place(module, "param", k))
+            for k, v in module._parameters.items()
+            if v is not None
+        ]
+        out += [
+            (base + k, Place(module, "buffer", k))
+            for k, v in module._buffers.items()
+            if v is not None
+        ]
+        if attributes:
+            out += [
+                (base + k, Place(module, "attr", k))
+                for k, v in vars(module).items()
+                if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)
+                and "kv_cache" not in k
+            ]  # fmt: skip
+    return out
+
+
 def draft_tensors(proposer: Any, drafter: nn.Module, target: nn.Module) -> dict[str, Place]:
     """Every tensor the draft reads that is not the target's, by name ("drafter.<module
     path>.<name>", "proposer.<attribute>"): the drafter's parameters, buffers and tensor
@@ -83,16 +111,8 @@ def draft_tensors(proposer: Any, drafter: nn.Module, target: nn.Module) -> dict[
             return
         found[name] = place
 
-    for prefix, module in drafter.named_modules(remove_duplicate=True):
-        base = f"drafter.{prefix + '.' if prefix else ''}"
-        for key in module._parameters:
-            add(base + key, Place(module, "param", key))
-        for key in module._buffers:
-            add(base + key, Place(module, "buffer", key))
-        for key, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-                if "kv_cache" not in key:  # the attention's cache: no state, and a sleep's to drop
-                    add(base + key, Place(module, "attr", key))
+    for name, place in module_tensors(drafter):
+        add(f"drafter.{name}", place)
     if proposer is not None:
         for key, value in vars(proposer).items():
             if isinstance(value, torch.Tensor):
@@ -164,8 +184,7 @@ class SleepCopy:
                 if (
                     live is None
                     or live.is_meta
-                    or live.shape != kept.shape
-                    or (live.dtype != kept.dtype)
+                    or (live.shape, live.dtype) != (kept.shape, kept.dtype)
                 ):
                     missed.append(name)
                     continue

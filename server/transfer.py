@@ -43,7 +43,7 @@ from codraft.server.draft_kernels import (
     snapshot_live,
 )
 from codraft.server.hooks import drafter_model, proposer, target_model
-from codraft.server.sleep_copy import SleepCopy, draft_tensors, pool_tags
+from codraft.server.sleep_copy import SleepCopy, draft_tensors, module_tensors, pool_tags
 from codraft.server.weights import DraftSlot, PolicySlot, SwapError, utc_now
 
 # `e` below is the worker extension's CodraftEngine (not imported: it imports this module)
@@ -257,20 +257,19 @@ def draft_places(runner: Any) -> dict[str, Any]:
 def unusable_tensors(model: torch.nn.Module, attributes: bool = True) -> list[str]:
     """What a transfer left unusable in the drafter: parameters and buffers holding NaN or Inf
     or still the reload's placeholders (meta), and tensors its modules keep beside them (the
-    DFlash model's fused weights and RoPE reference; `attributes`) on meta; each named with
-    its state."""
+    DFlash model's fused weights and RoPE reference; `attributes`) on meta or, where derived,
+    empty; each named with its state."""
     bad = []
     with torch.inference_mode():
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        for name, place in module_tensors(model, attributes):
+            t = place.get()
+            if t is None:
+                continue
             if t.is_meta:
                 bad.append(f"{name} (not loaded)")
+            elif place.kind == "attr":
+                if place.key in DERIVED_ATTRS and not t.numel():
+                    bad.append(f"{name} (empty)")
             elif t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
                 bad.append(f"{name} (NaN or Inf)")
-        for prefix, module in model.named_modules() if attributes else ():
-            for attr, t in vars(module).items():
-                where = f"{prefix + '.' if prefix else ''}{attr}"
-                if isinstance(t, torch.Tensor) and t.is_meta:
-                    bad.append(f"{where} (not loaded)")
-                elif attr in DERIVED_ATTRS and isinstance(t, torch.Tensor) and not t.numel():
-                    bad.append(f"{where} (empty)")
     return bad

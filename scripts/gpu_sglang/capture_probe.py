@@ -281,23 +281,17 @@ def main() -> int:
     engine = None
     try:
         import sglang
-        from make_prompts import load_prompts
-        from transformers import AutoTokenizer
+        from eagle3_smoke import heldout_prompt_ids
 
         report["sglang"] = sglang.__version__
         engine = stages.run("engine_start", lambda: sglang.Engine(**kwargs))
         if engine is None:
             raise RuntimeError("the engine did not start")
-        tok = AutoTokenizer.from_pretrained(str(work / "target"))
         seen: set[str] = set()
         take_records(records, seen)  # start-up's warm-up forwards
         params = {"temperature": 0.0, "max_new_tokens": args.max_tokens, "ignore_eos": True}
         results = []
-        prompts = []
-        for q in load_prompts()["heldout"][: args.prompts]:
-            prompt = tok.apply_chat_template([{"role": "user", "content": q}],
-                                             add_generation_prompt=True)  # fmt: skip
-            prompts.append(prompt if isinstance(prompt, list) else list(prompt["input_ids"]))
+        prompts = heldout_prompt_ids(work / "target")[: args.prompts]
         for g in range(0, len(prompts), args.batch):
             group = prompts[g : g + args.batch]
             outs = engine.generate(input_ids=group, sampling_params=params)

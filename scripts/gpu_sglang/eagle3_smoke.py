@@ -64,6 +64,20 @@ def prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def heldout_prompt_ids(target: Path) -> list[list[int]]:
+    """The held-out questions (scripts/gpu_vllm/prompts.json.gz), chat template applied, as
+    token ids for `sglang.Engine.generate(input_ids=...)`."""
+    from make_prompts import load_prompts
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    out = []
+    for q in load_prompts()["heldout"]:
+        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        out.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    return out
+
+
 def batch_row(outs: list[dict], seconds: float) -> dict[str, Any]:
     """One timed batch: greedy token ids, tokens/s, and the acceptance length SGLang counted
     for these requests (1 + accepted drafts per verification, vLLM's definition: from each
@@ -133,8 +147,6 @@ def compare_arms(results: dict[str, dict | None]) -> tuple[dict[str, Any], dict[
 
 
 def run(args: argparse.Namespace) -> int:
-    from make_prompts import load_prompts
-
     work, out = Path(args.work).resolve(), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"args": vars(args)}
@@ -142,15 +154,7 @@ def run(args: argparse.Namespace) -> int:
     sglang = stages.run("import_sglang", lambda: __import__("sglang"))
     if sglang is not None:
         report["sglang"] = sglang.__version__
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(work / "target"))
-        questions = load_prompts()["heldout"]
-        prompts = [
-            tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-            for q in questions
-        ]
-        prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
+        prompts = heldout_prompt_ids(work / "target")
         base = {
             "model_path": str(work / "target"), "dtype": "bfloat16", "random_seed": 0,
             "mem_fraction_static": args.mem_fraction, "attention_backend": args.attention_backend,

@@ -16,8 +16,9 @@ so the assembly, chunking of long requests, the check of every row's token id ag
 final sequence and the message format are the ones codraft's vLLM engine uses. The hooks that
 read these facts from SGLang's objects in its scheduler process are the GPU side, built on this.
 
-A request whose first rows were never computed here (a radix-cache hit) or whose policy changed
-while it ran is not sent and is counted as incomplete, as with vLLM.
+A request whose first rows were never computed here (a radix-cache hit), whose last rows never
+arrived, or whose policy changed while it ran is not sent and is counted as incomplete, as with
+vLLM.
 """
 
 from __future__ import annotations
