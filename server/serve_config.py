@@ -24,6 +24,7 @@ log = logging.getLogger("codraft.serve")
 
 TOKEN_FLAGS = ("--control-token", "--control-token-file")
 TAP_MODES = ("full", "ids", "off")
+ENGINES = ("vllm", "sglang")
 WEIGHT_TRANSFER = ("ipc", "nccl")  # vLLM's backends codraft serves the routes of
 
 
@@ -32,6 +33,7 @@ class ServeConfig:
     """Everything `codraft serve` needs. Defaults: SmolLM2, an untrained draft, 127.0.0.1."""
 
     model: str = "smollm2"  # 'smollm2' (prepared offline) or a model folder
+    engine: str = "vllm"  # vllm | sglang (codraft.server.sglang.serve; GPU machines only)
     draft: str | None = None  # draft folder; None builds an untrained one (version 0)
     drafter: str | None = None  # the draft's kind, eagle3 | dflash: None = --draft's, or eagle3
     num_speculative_tokens: int = 3
@@ -65,6 +67,8 @@ class ServeConfig:
                 f"drafter must be one of {SERVED_DRAFTERS}, got {self.drafter!r}"
                 + (f": {DSPARK_NOT_SERVED}" if self.drafter == "dspark" else "")
             )
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.weight_transfer is not None and self.weight_transfer not in WEIGHT_TRANSFER:
             raise ValueError(
                 f"weight_transfer must be one of {WEIGHT_TRANSFER}, got {self.weight_transfer!r}"
@@ -112,6 +116,13 @@ def is_loopback(host: str) -> bool:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = ServeConfig()
     p.add_argument("--model", default=d.model, help="'smollm2' or a model folder")
+    p.add_argument(
+        "--engine",
+        default=d.engine,
+        choices=ENGINES,
+        help="the serving engine: vLLM, or SGLang (EAGLE-3, GPU; docs/sglang.md); arguments "
+        "codraft serve does not know go to the engine's own parser",
+    )
     p.add_argument("--draft", default=None, help="initial draft folder (default: untrained)")
     p.add_argument(
         "--drafter",

@@ -22,10 +22,6 @@ def register(sub: Any, commands: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from codraft.server.vllm_env import ensure_cpu_preload
-
-    ensure_cpu_preload()  # re-executes once with Intel OpenMP preloaded (CPU machines)
-    from codraft.server.serve import main
     from codraft.server.serve_config import config_from_args
 
     try:
@@ -33,4 +29,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"codraft serve: {e}", file=sys.stderr)
         return 2
+    if cfg.engine == "sglang":
+        from codraft.server.sglang.serve import main as sglang_main
+
+        return sglang_main(cfg)
+    from codraft.server.vllm_env import ensure_cpu_preload
+
+    ensure_cpu_preload()  # re-executes once with Intel OpenMP preloaded (CPU machines)
+    from codraft.server.serve import main
+
     return main(cfg)

@@ -265,6 +265,10 @@ def main() -> int:
     report: dict[str, Any] = {"args": vars(args)}
     stages = Stages(report, "capture")
     draft = Path(args.draft or work / "draft").resolve()
+    if args.algorithm == "EAGLE3":  # a codraft checkpoint: SGLang reads its view of it
+        from eagle3_smoke import sglang_draft
+
+        draft = sglang_draft(draft, work)
     kwargs = {
         "model_path": str(work / "target"), "dtype": "bfloat16", "random_seed": 0,
         "mem_fraction_static": args.mem_fraction, "attention_backend": args.attention_backend,

@@ -3,16 +3,18 @@ engine behind codraft's contracts. Stock SGLang, no codraft code inside it.
 
 Two steps, in two environments (the SGLang venv holds no codraft):
 
-    # 1. in the vLLM venv: SmolLM2 as safetensors (codraft prepare) and an EAGLE-3 draft whose
-    #    config.json speaks SGLang's tap-layer convention (codraft.draft.config); --draft DIR
-    #    converts a trained codraft draft instead of writing an untrained one
+    # 1. in the vLLM venv: SmolLM2 as safetensors (codraft prepare) and an untrained codraft
+    #    EAGLE-3 draft (--draft DIR: a trained one instead); `run` hands SGLang its view of the
+    #    draft (config.json in SGLang's tap numbering, codraft.server.sglang.serve.sglang_view)
     .gpu_venv/bin/python scripts/gpu_sglang/eagle3_smoke.py prepare --work runs/gpu_work/sgl
     # 2. in the SGLang venv (scripts/gpu_sglang/install.sh)
     .gpu_sglang_venv/bin/python scripts/gpu_sglang/eagle3_smoke.py run --work runs/gpu_work/sgl \\
         --out "$OUT" --attention-backend flashinfer
 
 `run` starts `sglang.Engine` in turn without speculation, with EAGLE-3 (k = 3 steps, top-1, 4
-draft tokens) and, with `--dflash DIR`, with SGLang's DFlash and that draft; each one warms up at
+draft tokens; --eagle3-draft DIR, default the prepared one), with `--codraft` the same EAGLE-3
+engine with codraft's engine inside (codraft.server.sglang: capture, tap on to a sink, radix
+cache off) and, with `--dflash DIR`, with SGLang's DFlash and that draft; each one warms up at
 every batch size, then runs batches of 1, 8, 32, 64 greedy requests of --max-tokens tokens
 (ignore_eos) on the 64 held-out questions, chat template applied: the method and prompts of
 scripts/gpu_vllm/bench_serving.py, so the figures stand beside codraft's vLLM engine's. Per arm
@@ -40,8 +42,8 @@ from stages import Stages  # noqa: E402 (after the path)
 
 
 def prepare(args: argparse.Namespace) -> int:
-    """SmolLM2 and an SGLang-convention EAGLE-3 draft under --work (vLLM venv: codraft)."""
-    from codraft.draft.config import DraftConfig
+    """SmolLM2 and a codraft EAGLE-3 draft under --work (vLLM venv: codraft and the model's
+    package); `run` gives SGLang its view of the draft (codraft.server.sglang.serve)."""
     from codraft.draft.init import write_new_draft
     from codraft.prepare import resolve_model
 
@@ -57,11 +59,37 @@ def prepare(args: argparse.Namespace) -> int:
         shutil.copytree(args.draft, draft)
     else:
         write_new_draft(draft, target)
-    hf = json.loads((draft / "config.json").read_text())
-    cfg = DraftConfig.from_hf_dict(hf)  # codraft ships vLLM's convention
-    (draft / "config.json").write_text(json.dumps(cfg.to_hf_dict(engine="sglang"), indent=2))
-    print(json.dumps({"target": str(target), "draft": str(draft), "tap_layers": cfg.tap_layers}))
+    print(json.dumps({"target": str(target), "draft": str(draft)}))
     return 0
+
+
+def sglang_draft(draft: Path, work: Path) -> Path:
+    """SGLang's view of a codraft EAGLE-3 checkpoint (its config in SGLang's tap numbering)."""
+    from codraft.server.sglang.serve import sglang_view
+
+    return sglang_view(draft.resolve(), work / "views")
+
+
+class TapSink:
+    """A PULL socket that takes tap messages and counts them (the codraft arm's learner)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import zmq
+
+        self.sock = zmq.Context.instance().socket(zmq.PULL)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.messages = 0
+        self.stop = False
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self.stop:
+            if self.sock.poll(200):
+                self.sock.recv_multipart()
+                self.messages += 1
 
 
 def heldout_prompt_ids(target: Path) -> list[list[int]]:
@@ -94,13 +122,22 @@ def batch_row(outs: list[dict], seconds: float) -> dict[str, Any]:
 
 
 def arm(stages: Stages, name: str, engine_kwargs: dict, prompts: list[list[int]],
-        max_tokens: int, batches: list[int]) -> dict | None:  # fmt: skip
+        max_tokens: int, batches: list[int], env: dict[str, str] | None = None
+        ) -> dict | None:  # fmt: skip
     """One engine: a warm-up at every batch size (kernels specialise on it), then each batch of
-    the sweep timed once, as scripts/gpu_vllm/bench_serving.py does for vLLM."""
+    the sweep timed once, as scripts/gpu_vllm/bench_serving.py does for vLLM. `env`: set
+    while the engine starts (its processes inherit it): codraft's engine for the codraft arm."""
+    import os
+
     import sglang
     from bench_serving import batch_prompts
 
-    engine = stages.run(f"{name}_start", lambda: sglang.Engine(**engine_kwargs))
+    os.environ.update(env or {})
+    try:
+        engine = stages.run(f"{name}_start", lambda: sglang.Engine(**engine_kwargs))
+    finally:
+        for key in env or {}:
+            os.environ.pop(key, None)
     if engine is None:
         return None
     try:
@@ -160,12 +197,25 @@ def run(args: argparse.Namespace) -> int:
             "mem_fraction_static": args.mem_fraction, "attention_backend": args.attention_backend,
             "disable_cuda_graph": args.no_cuda_graph, "log_level": "warning",
         }  # fmt: skip
+        draft = Path(args.eagle3_draft or work / "draft").resolve()
         spec = {
-            "speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(work / "draft"),
+            "speculative_algorithm": "EAGLE3",
+            "speculative_draft_model_path": str(sglang_draft(draft, work)),
             "speculative_num_steps": args.k, "speculative_eagle_topk": 1,
             "speculative_num_draft_tokens": args.k + 1,
         }  # fmt: skip
         arms = {"plain": base, "eagle3": {**base, **spec}}
+        envs: dict[str, dict[str, str]] = {}
+        sink = None
+        if args.codraft:  # the same draft with codraft's engine inside, the tap on
+            from codraft.server.engine_config import EngineConfig
+            from codraft.server.sglang.engine import ENV, Settings
+
+            sink = TapSink()
+            control = f"ipc://{work}/codraft-control"
+            settings = Settings(str(draft), control, EngineConfig(tap_endpoint=sink.endpoint))
+            arms["eagle3-codraft"] = {**base, **spec, "disable_radix_cache": True}
+            envs["eagle3-codraft"] = {ENV: settings.to_env()}
         if args.dflash:  # a trained codraft DFlash draft (z-lab's format, which SGLang reads)
             block = json.loads((Path(args.dflash) / "config.json").read_text())["block_size"]
             arms["dflash"] = {
@@ -174,8 +224,10 @@ def run(args: argparse.Namespace) -> int:
                 "speculative_num_draft_tokens": block,
             }  # fmt: skip
         batches = [int(b) for b in args.batches.split(",")]
-        results = {n: arm(stages, n, kw, prompts, args.max_tokens, batches)
+        results = {n: arm(stages, n, kw, prompts, args.max_tokens, batches, envs.get(n))
                    for n, kw in arms.items()}  # fmt: skip
+        if sink is not None:
+            report["codraft_tap_messages"] = sink.messages
         report["arms"], lossless = compare_arms(results)
         report["ok"] = len(lossless) == len(arms) - 1 and all(lossless.values())
     report.setdefault("ok", False)
@@ -200,6 +252,11 @@ def main() -> int:
     pr.add_argument("--attention-backend", default="flashinfer", help="fa3, flashinfer, triton")
     pr.add_argument("--no-cuda-graph", action="store_true")
     pr.add_argument("--dflash", default=None, help="also a DFlash arm with this draft folder")
+    pr.add_argument("--eagle3-draft", default=None, help="codraft EAGLE-3 draft (--work/draft)")
+    pr.add_argument(
+        "--codraft", action="store_true",
+        help="also the EAGLE-3 arm with codraft's engine in SGLang, tap on (radix cache off)",
+    )  # fmt: skip
     args = p.parse_args()
     return prepare(args) if args.step == "prepare" else run(args)
 

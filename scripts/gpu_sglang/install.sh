@@ -158,4 +158,9 @@ for name in mods:
 print(f"imported {len(mods) - len(failed)}/{len(mods)} serving modules in {time.time() - t0:.0f} s")
 raise SystemExit(1 if failed else 0)
 EOF
+# ---------------------------------------------------------------- 5. codraft itself
+# this checkout importable there with its entry points (the `sglang.srt.plugins` one is codraft's
+# SGLang engine, enabled only by `codraft serve --engine sglang`)
+"$PY" scripts/gpu_vllm/link_codraft.py
+"$PY" -c 'import codraft.server.sglang.plugin, codraft.cli; print("codraft importable")'
 echo "installed: $PY  (sglang serve / python -m sglang.launch_server with that interpreter)"

@@ -17,6 +17,10 @@ What scripts/demo.py does on a CPU, for the GPU run (no reasoning-gym, no openai
     .gpu_venv/bin/python scripts/gpu_vllm/cotrain.py --minutes 3 --work runs/gpu_work/cotrain \\
         --out "$OUT"
 
+With `--engine sglang` (run in the SGLang venv, `--target` a prepared folder) the server is
+`codraft serve --engine sglang` (codraft.server.sglang.serve: control routes on the OpenAI
+port; --gpu-mem is SGLang's --mem-fraction-static, --max-num-seqs its --max-running-requests).
+
 Exit status 0 when a trained draft (version > 0) was published and copied, 1 otherwise.
 """
 
@@ -194,7 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample-every", type=float, default=10.0)
     p.add_argument("--prompts", default=None, help="prompts file (default: prompts.json.gz)")
     p.add_argument("--ready-timeout", type=float, default=420.0)
-    p.add_argument("--vllm-arg", action="append", default=[], help="more `vllm serve` flags")
+    p.add_argument("--engine", default="vllm", choices=("vllm", "sglang"))
+    p.add_argument(
+        "--vllm-arg", "--engine-arg", action="append", default=[],
+        help="more flags for the engine's own parser",
+    )  # fmt: skip
     args = p.parse_args(argv)
 
     from make_prompts import DEFAULT, load_prompts
@@ -222,13 +230,19 @@ def main(argv: list[str] | None = None) -> int:
     final = None
     try:
         print(f"[cotrain] codraft serve (log {work / 'server.log'})", flush=True)
+        if args.engine == "sglang":  # control routes on the OpenAI port
+            cport = port
+            engine = ["--engine", "sglang", "--mem-fraction-static", str(args.gpu_mem),
+                      "--max-running-requests", str(args.max_num_seqs)]  # fmt: skip
+        else:
+            engine = ["--control-port", str(cport), "--gpu-memory-utilization", str(args.gpu_mem),
+                      "--max-num-seqs", str(args.max_num_seqs)]  # fmt: skip
         server = _spawn(
-            ["serve", "--model", str(model), "--port", str(port), "--control-port", str(cport),
+            ["serve", "--model", str(model), "--port", str(port), *engine,
              "--control-token-file", str(token_file), "--tap-endpoint", f"tcp://127.0.0.1:{tap}",
              "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
              "--num-speculative-tokens", str(args.k), "--work-dir", str(work / "server"),
-             "--gpu-memory-utilization", str(args.gpu_mem), "--max-num-seqs",
-             str(args.max_num_seqs), *args.vllm_arg],
+             *args.vllm_arg],
             work / "server.log",
         )  # fmt: skip
         control = CodraftClient(f"http://127.0.0.1:{cport}", token=token_file.read_text())

@@ -40,14 +40,16 @@ class Step:
     """One target forward of a batch: its requests in batch order, the rows each has in it
     (extend lengths, or k each), how many of those are final (the same, or SGLang's accepted
     lengths), the tokens the step added to each (the first token after a prefill; a
-    verification's accepted drafts and bonus token; none for a chunk that is not the last), and
-    the rows staged from the device (all requests' rows in batch order), or None."""
+    verification's accepted drafts and bonus token; none for a chunk that is not the last), the
+    rows staged from the device, or None, and which requests (indices) those rows are of, in
+    batch order (None: all of them; `SGLangCapture.rows_wanted` names the ones worth staging)."""
 
     rids: list[str]
     counts: list[int]
     final: list[int]
     new_tokens: list[list[int]]
     rows: StagedRows | None = None
+    staged: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.rids)
@@ -60,10 +62,18 @@ class Step:
         bad = [(r, f, c) for r, f, c in rows if not 0 <= f <= c]
         if bad:
             raise ValueError(f"final rows must be within each request's rows: {bad[:3]}")
-        if self.rows is not None and self.rows.ids.shape[0] != sum(self.counts):
+        if self.staged is not None and sorted(set(self.staged)) != self.staged:
+            raise ValueError(f"staged must be increasing request indices, got {self.staged}")
+        if self.staged and not 0 <= self.staged[0] <= self.staged[-1] < n:
+            raise ValueError(f"staged names requests outside the step's {n}: {self.staged}")
+        expected = sum(self.counts[i] for i in self.staged_indices())
+        if self.rows is not None and self.rows.ids.shape[0] != expected:
             raise ValueError(
-                f"{self.rows.ids.shape[0]} staged rows for a step of {sum(self.counts)} rows"
+                f"{self.rows.ids.shape[0]} staged rows for {expected} rows of the staged requests"
             )
+
+    def staged_indices(self) -> list[int] | range:
+        return range(len(self.rids)) if self.staged is None else self.staged
 
 
 class SGLangCapture:
@@ -93,21 +103,23 @@ class SGLangCapture:
     def step(self, step: Step) -> None:
         policy = self.policy_version()
         items: list[tuple[ReqState, int, int]] = []
+        staged = set(step.staged_indices())
         offset = 0
-        for rid, count, final, toks in zip(
-            step.rids, step.counts, step.final, step.new_tokens, strict=True
+        for i, (rid, count, final, toks) in enumerate(
+            zip(step.rids, step.counts, step.final, step.new_tokens, strict=True)
         ):
             state = self.states.get(rid)
             if state is not None and not state.done:
                 if state.mode == "full" and final:
                     if state.policy_version != policy:
                         self.assembler.put(_Broken(state, "the policy changed while it ran"))
-                    elif step.rows is None:
+                    elif step.rows is None or i not in staged:
                         self.assembler.put(_Broken(state, "its rows were not captured in a step"))
                     else:
                         items.append((state, offset, final))
                 state.outputs.extend(toks)
-            offset += count
+            if i in staged:
+                offset += count
         if items:
             self.assembler.put(_Rows(step.rows, items))
 

@@ -1,0 +1,301 @@
+"""codraft's SGLang engine on the GPU: `codraft serve --engine sglang` checked end to end.
+
+In the SGLang venv (scripts/gpu_sglang/install.sh links codraft into it), after
+`eagle3_smoke.py prepare` wrote the target under --work:
+
+    .gpu_sglang_venv/bin/python scripts/gpu_sglang/engine_checks.py --work runs/gpu_work/sgl \\
+        --out "$OUT" --trained runs/gpu_work/sgl-cotrain/draft-final
+
+1. **Reference**: stock SGLang without speculation (`sglang.Engine`), greedy, --prompts held-out
+   questions x --max-tokens tokens (ignore_eos), batched.
+2. **codraft serve --engine sglang** with codraft's untrained EAGLE-3 draft (v0), the tap on to
+   a PULL socket this script binds, the radix cache off (so a fresh prefill computes every
+   position). The same requests through SGLang's /generate: outputs identical to the
+   reference (lossless), acceptance from each response's counts.
+3. **Capture = fresh prefill**: every tap message of those requests against the message of a
+   fresh prefill of the final sequence (the same request's tokens sent again as a prompt,
+   one token generated), position by position: the tap layers and the final hidden state of
+   each input the decode captured (max relative error per row, bf16 kernels of other batch
+   shapes), and the token ids.
+4. **Swap**: with --trained (a codraft EAGLE-3 checkpoint, e.g. cotrain.py --engine sglang's
+   draft-final): `POST /v1/draft` while serving, the same requests again (outputs identical
+   to the reference, acceptance against v0's), then `POST /v1/draft/rollback` and once more
+   (back to v0's acceptance); a draft with another vocabulary map or from another target is
+   refused with the previous draft serving.
+5. /v1/completions carries X-Codraft-Draft-Version; the server's stats (GET /v1/tap) count the
+   captured requests and no hook errors.
+
+Writes $OUT/sglang_engine_checks.json; exit 0 when every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent / "gpu_vllm"))  # make_prompts, stages
+sys.path.insert(0, str(HERE))
+from stages import Stages  # noqa: E402
+
+
+class TapSink:
+    """Binds a PULL socket and decodes every codraft tap message that arrives (by request)."""
+
+    def __init__(self, endpoint: str) -> None:
+        import zmq
+
+        self.sock = zmq.Context.instance().socket(zmq.PULL)
+        self.sock.bind(endpoint)
+        self.messages: dict[str, list[Any]] = {}
+        self.rejected: list[str] = []
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from codraft.tap.message import TapRejected, decode
+
+        while not self.stop:
+            if not self.sock.poll(200):
+                continue
+            frames = self.sock.recv_multipart(copy=True)
+            try:
+                msg = decode(frames)
+            except TapRejected as e:
+                self.rejected.append(f"{e.reason}: {e}")
+                continue
+            self.messages.setdefault(msg.header.request_id, []).append(msg)
+
+    def wait_for(self, rids: list[str], timeout: float = 30.0) -> dict[str, list[Any]]:
+        end = time.time() + timeout
+        while time.time() < end and not all(r in self.messages for r in rids):
+            time.sleep(0.1)
+        return {r: self.messages.get(r, []) for r in rids}
+
+
+def joined(msgs: list[Any]) -> dict[int, tuple[int, Any, Any]]:
+    """position -> (token id, taps row, last row) over a request's messages (chunks in order)."""
+    out, pos = {}, 0
+    for m in sorted(msgs, key=lambda m: m.header.created):
+        for i in range(m.num_tokens):
+            out[pos + i] = (int(m.token_ids[i]), m.taps[i].float(), m.last_hidden[i].float())
+        pos += m.num_tokens
+    return out
+
+
+def compare_capture(decoded: list[Any], fresh: list[Any], tol: float) -> dict[str, Any]:
+    """A request's captured rows against the fresh prefill's, position by position."""
+    a, b = joined(decoded), joined(fresh)
+    common = sorted(set(a) & set(b))
+    tap_err, last_err, id_mismatch = [], [], 0
+    for p in common:
+        ta, xa, la = a[p]
+        tb, xb, lb = b[p]
+        id_mismatch += ta != tb
+        tap_err.append(float((xa - xb).abs().max() / xb.abs().max().clamp_min(1e-6)))
+        last_err.append(float((la - lb).abs().max() / lb.abs().max().clamp_min(1e-6)))
+    worst = max(tap_err + last_err) if common else None
+    return {
+        "positions": len(a), "fresh_positions": len(b), "common": len(common),
+        "token_id_mismatches": id_mismatch,
+        "taps_max_rel_err": max(tap_err) if tap_err else None,
+        "last_max_rel_err": max(last_err) if last_err else None,
+        "ok": bool(common) and id_mismatch == 0 and worst is not None and worst <= tol
+        and len(common) >= len(a) - 1,
+    }  # fmt: skip
+
+
+def acceptance(outs: list[dict]) -> float | None:
+    metas = [o.get("meta_info") or {} for o in outs]
+    verify = sum(m.get("spec_verify_ct", 0) for m in metas)
+    correct = sum(m.get("spec_num_correct_drafts", 0) for m in metas)
+    return 1 + correct / verify if verify else None
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--work", default="runs/gpu_work/sgl")
+    p.add_argument("--out", required=True)
+    p.add_argument("--trained", default=None, help="a trained codraft EAGLE-3 checkpoint")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--capture-checks", type=int, default=4, help="requests checked vs prefill")
+    p.add_argument("--tol", type=float, default=0.05)
+    p.add_argument("--mem-fraction", type=float, default=0.3)
+    p.add_argument("--attention-backend", default="triton")
+    p.add_argument("--ready-timeout", type=float, default=420.0)
+    args = p.parse_args()
+
+    import httpx
+    from eagle3_smoke import heldout_prompt_ids
+
+    from codraft.client import CodraftClient
+    from codraft.server.serve import free_port
+
+    work, out = Path(args.work).resolve(), Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"args": vars(args)}
+    stages = Stages(report, "engine")
+    target = work / "target"
+    prompts = heldout_prompt_ids(target)[: args.prompts]
+    params = {"temperature": 0.0, "max_new_tokens": args.max_tokens, "ignore_eos": True}
+    checks: dict[str, bool] = {}
+
+    def reference() -> list[list[int]]:
+        import sglang
+
+        engine = sglang.Engine(
+            model_path=str(target), dtype="bfloat16", random_seed=0, log_level="warning",
+            mem_fraction_static=args.mem_fraction, attention_backend=args.attention_backend,
+        )  # fmt: skip
+        try:
+            return [
+                list(o["output_ids"])
+                for o in engine.generate(input_ids=prompts, sampling_params=params)
+            ]
+        finally:
+            engine.shutdown()
+
+    ref = stages.run("reference", reference)
+    port, tap = free_port(), free_port()
+    token = secrets.token_hex(16)
+    sink = TapSink(f"tcp://127.0.0.1:{tap}")
+    log_path = out / "sglang_serve.log"
+    server = None
+    try:
+        env = {**os.environ, "CODRAFT_CONTROL_TOKEN": token}
+        server = subprocess.Popen(
+            [sys.executable, "-m", "codraft.cli", "serve", "--engine", "sglang",
+             "--model", str(target), "--port", str(port), "--dtype", "bfloat16",
+             "--tap-endpoint", f"tcp://127.0.0.1:{tap}", "--work-dir", str(work / "serve"),
+             "--no-resume-draft", "--mem-fraction-static", str(args.mem_fraction),
+             "--attention-backend", args.attention_backend, "--disable-radix-cache",
+             "--log-level", "warning"],
+            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+        )  # fmt: skip
+        base = f"http://127.0.0.1:{port}"
+        control = CodraftClient(base, token=token)
+
+        def wait_ready() -> float:
+            t0 = time.time()
+            while True:
+                try:
+                    control.wait_ready(timeout=5.0)
+                    return time.time() - t0
+                except Exception as e:
+                    if server.poll() is not None or time.time() - t0 > args.ready_timeout:
+                        tail = log_path.read_bytes()[-3000:].decode(errors="replace")
+                        raise RuntimeError(f"codraft serve did not come up: {e!r}\n{tail}") from e
+
+        report["server_ready_s"] = stages.run("server_start", wait_ready)
+        http = httpx.Client(base_url=base, timeout=600)
+
+        def generate(ids: list[list[int]], **extra: Any) -> list[dict]:
+            r = http.post(
+                "/generate", json={"input_ids": ids, "sampling_params": {**params, **extra}}
+            )
+            r.raise_for_status()
+            return r.json()
+
+        def served(tag: str) -> dict[str, Any]:
+            outs = generate(prompts)
+            ids = [list(o["output_ids"]) for o in outs]
+            same = [a == b for a, b in zip(ids, ref or [], strict=False)]
+            row = {"identical": f"{sum(same)}/{len(ids)}", "acceptance_length": acceptance(outs),
+                   "draft": control.draft().version}  # fmt: skip
+            checks[f"lossless_{tag}"] = ref is not None and len(same) == len(ids) and all(same)
+            row["outs"] = outs
+            return row
+
+        v0 = stages.run("serve_v0", lambda: served("v0"))
+        if v0 is not None:
+            outs = v0.pop("outs")
+            report["v0"] = v0
+
+            def capture() -> list[dict]:
+                rows = []
+                for o, prompt in list(zip(outs, prompts, strict=True))[: args.capture_checks]:
+                    rid = o["meta_info"]["id"]
+                    final = prompt + list(o["output_ids"])
+                    decoded = sink.wait_for([rid])[rid]
+                    again = generate([final], max_new_tokens=1)[0]
+                    rid2 = again["meta_info"]["id"]
+                    fresh = sink.wait_for([rid2])[rid2]
+                    rows.append({"request": rid, **compare_capture(decoded, fresh, args.tol)})
+                return rows
+
+            rows = stages.run("capture", capture)
+            report["capture"] = rows
+            checks["capture"] = bool(rows) and all(r["ok"] for r in rows)
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        r = http.post("/v1/completions", json={"model": model, "prompt": "Hello",
+                                                "max_tokens": 8, "temperature": 0})  # fmt: skip
+        report["version_header"] = r.headers.get("x-codraft-draft-version")
+        checks["version_header"] = r.status_code == 200 and report["version_header"] == "0"
+        if args.trained:
+            trained = Path(args.trained).resolve()
+            meta = json.loads((trained / "codraft.json").read_text())
+
+            def swap() -> dict:
+                t0 = time.time()
+                d = control.load_draft(int(meta["version"]), str(trained))
+                return {"version": d.version, "seconds": time.time() - t0}
+
+            report["swap"] = stages.run("swap", swap)
+            vt = stages.run("serve_trained", lambda: served("trained"))
+            if vt is not None:
+                vt.pop("outs")
+                report["trained"] = vt
+            stages.run("rollback", lambda: control.rollback_draft())
+            vb = stages.run("serve_rolled_back", lambda: served("rolled_back"))
+            if vb is not None:
+                vb.pop("outs")
+                report["rolled_back"] = vb
+            if v0 and vt and vb:
+                checks["swap_changes_acceptance"] = (vt["acceptance_length"] or 0) > (
+                    v0["acceptance_length"] or 0
+                ) + 0.05 and vt["draft"] == int(meta["version"])
+                checks["rollback_restores_acceptance"] = (
+                    vb["draft"] == 0
+                    and abs((vb["acceptance_length"] or 0) - (v0["acceptance_length"] or 0)) < 0.02
+                )
+        auth = {"Authorization": f"Bearer {token}"}
+        report["tap_stats"] = stages.run(
+            "tap_stats", lambda: http.get("/v1/tap", headers=auth).raise_for_status().json()
+        )
+        stats = (report["tap_stats"] or {}).get("stats") or {}
+        checks["no_hook_errors"] = stats.get("hook_errors") == 0 and bool(
+            stats.get("requests_captured")
+        )
+        report["tap_rejected"] = sink.rejected[:10]
+        checks["tap_decodes"] = not sink.rejected
+    finally:
+        if server is not None:
+            server.terminate()
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+        sink.stop = True
+        report["server_log_tail"] = log_path.read_bytes()[-4000:].decode(errors="replace") \
+            if log_path.exists() else None  # fmt: skip
+    report["checks"] = checks
+    report["ok"] = bool(checks) and all(checks.values())
+    (out / "sglang_engine_checks.json").write_text(json.dumps(report, indent=2, default=str))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("stages", "server_log_tail")},
+                     indent=2, default=str))  # fmt: skip
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

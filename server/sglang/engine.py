@@ -1,0 +1,553 @@
+"""codraft inside SGLang's scheduler process: capture, tap, acceptance, draft swap and rollback.
+
+One `SGLangEngine` per scheduler process, made by the plugin (codraft.server.sglang.plugin)
+when the scheduler is built, from the settings `codraft serve --engine sglang` puts in the
+environment (`CODRAFT_SGLANG`: a JSON map of `EngineConfig`'s fields under "codraft", the
+draft checkpoint SGLang was started with under "draft", codraft's control endpoint under
+"control"). What it needs of SGLang 0.5.17, all in the scheduler's own thread:
+
+* `on_batch(batch)` / `on_target_forward(forward_batch, output)` / `end_batch(result)`: the
+  EAGLE worker's step and, inside it, the target's forward. The target's verify or extend
+  output carries the tap layers and, appended by the plugin, the final hidden state (after the
+  final norm: the tap's `last_hidden`); this takes the final state off before the draft reads
+  the hidden states, and gathers the rows of the captured requests on the engine's stream
+  (codraft.server.row_copy): no wait, no host copy in the step.
+* `on_result(batch, result)`: the scheduler's processing of that step, one step later with the
+  overlap scheduler: SGLang's accepted lengths are on the host now, so each request's final
+  rows are known (codraft.server.sglang.capture), acceptance is counted per draft version, and
+  requests that finished are handed to the assembler with SGLang's own output tokens.
+* `poll()`: codraft's control calls, answered between batches (codraft.server.sglang.rpc).
+
+The tap messages, their assembly and chunking, the acceptance bookkeeping and the automatic
+rollback rule are the ones of codraft's vLLM engine. EAGLE-3 with a chain of drafts (topk 1),
+SGLang's overlap scheduler (its EAGLE worker v2) and tensor parallel size 1 are required.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from codraft.draft.checkpoint import DraftCheckpointError, DraftContract
+from codraft.server.acceptance import Acceptance, should_roll_back
+from codraft.server.capture import Assembler, CaptureStats, TapTarget
+from codraft.server.engine_config import EngineConfig, check_endpoint, check_sample_rate
+from codraft.server.publisher import PublisherStats, TapPublisher, sampled
+from codraft.server.row_copy import RowCopier, StagedRows
+from codraft.server.sglang.capture import SGLangCapture, Step
+from codraft.server.sglang.draft_weights import DraftWeights
+from codraft.server.sglang.rpc import RpcServer
+from codraft.server.weights import DraftSlot, SwapError, load_checked, read_initial_draft, utc_now
+from codraft.tap import model_fingerprint
+from codraft.tap.message import DTYPES
+
+log = logging.getLogger(__name__)
+
+ENV = "CODRAFT_SGLANG"
+
+
+@dataclass
+class Settings:
+    """What the serving process hands the scheduler processes (through `ENV`)."""
+
+    draft: str  # the codraft checkpoint SGLang serves at start (codraft's tap convention)
+    control: str  # codraft's control endpoint (ipc://)
+    codraft: EngineConfig
+
+    def to_env(self) -> str:
+        from dataclasses import asdict
+
+        return json.dumps({"draft": self.draft, "control": self.control,
+                           "codraft": asdict(self.codraft)})  # fmt: skip
+
+    @classmethod
+    def from_env(cls, environ: Any = os.environ) -> Settings | None:
+        raw = environ.get(ENV)
+        if not raw:
+            return None
+        d = json.loads(raw)
+        return cls(d["draft"], d["control"], EngineConfig.from_dict(d.get("codraft")))
+
+
+@dataclass
+class _Pending:
+    """A step's capture, between its forward and the scheduler's processing of its result."""
+
+    rids: list[str]
+    counts: list[int]
+    extend: bool
+    staged: list[int]
+    rows: StagedRows | None
+    version: int  # the draft that proposed this step's drafts
+
+
+class SGLangEngine:
+    """codraft's state in one SGLang scheduler process (module doc)."""
+
+    def __init__(self, scheduler: Any, settings: Settings) -> None:
+        self.scheduler = scheduler
+        self.cfg = replace(settings.codraft, tap_assembly="thread")
+        worker = scheduler.draft_worker
+        args = scheduler.server_args
+        self._check(worker, args)
+        self.target_runner = worker.target_worker.model_runner
+        draft_runner = worker.draft_worker.draft_runner
+        hf = self.target_runner.model_config.hf_config
+        self.hidden = int(hf.hidden_size)
+        initial = read_initial_draft(settings.draft)
+        if initial.config.kind != "eagle3":
+            raise SwapError(503, f"codraft's SGLang engine serves EAGLE-3 drafts, got "
+                                 f"{initial.config.kind} ({settings.draft})")  # fmt: skip
+        self.taps = tuple(initial.config.tap_layers)
+        captured = list(getattr(self.target_runner.model.model, "layers_to_capture", []))
+        if captured != list(self.taps):  # SGLang's layer i+1 is codraft's tap i+1 (docs)
+            raise SwapError(
+                503,
+                f"SGLang captures the target's layers {captured}, the draft reads taps "
+                f"{list(self.taps)}: start SGLang with the draft's SGLang config "
+                "(DraftConfig.to_hf_dict(engine='sglang'))",
+            )
+        self.weights = DraftWeights(
+            draft_runner.model, self.target_runner.model, initial.weights.get("d2t")
+        )
+        self.current = replace(initial, weights={})
+        self.previous: DraftSlot | None = None
+        self.previous_params: dict[str, torch.Tensor] | None = None
+        self.highest = self.current.version
+        self.staged: dict | None = None  # a draft read and checked ahead of its swap
+        self.staged_data: tuple | None = None
+        self.ticket = 0
+        self.policy_version = 0
+        self.acceptance = Acceptance(self.cfg.rollback_window)
+        self.reference_rate: float | None = None
+        self.pending_rollback: str | None = None
+        self.swaps = self.rollbacks = self.auto_rollbacks = 0
+        self.hook_errors = 0
+        self.running: set[str] = set()
+        self.versions_by_request: OrderedDict[str, int] = OrderedDict()
+        # tap
+        self.tap_enabled = self.cfg.tap_on
+        self.tap_mode = self.cfg.tap_mode if self.cfg.tap_mode != "off" else "full"
+        self.sample_rate = float(self.cfg.tap_sample_rate)
+        self.endpoint = self.cfg.tap_endpoint
+        self.publisher: TapPublisher | None = None
+        self.closed_totals = PublisherStats()
+        self.sampled_out = 0
+        runner = self.target_runner
+        wire = DTYPES[self.cfg.tap_dtype] if self.cfg.tap_dtype else runner.dtype
+        self.stats_ = CaptureStats()
+        model_path = Path(args.model_path)
+        self.target = TapTarget(
+            tap_layers=self.taps,
+            hidden_size=self.hidden,
+            fingerprint=model_fingerprint(model_path if model_path.is_dir() else hf.to_dict()),
+            dtype=wire,
+            max_model_len=int(getattr(runner.model_config, "context_len", 1 << 30)),
+        )
+        self.assembler = Assembler(
+            self.target, self._emit, lambda: self.current.version, self.cfg.tap_max_tokens,
+            self.stats_,
+        )  # fmt: skip
+        self.capture = SGLangCapture(
+            self.assembler, want=self._want, policy_version=lambda: self.policy_version
+        )
+        device = torch.device(runner.device, runner.gpu_id) if runner.device == "cuda" else "cpu"
+        self.copier = RowCopier(device, wire, self.cfg.tap_device_mb << 20)
+        self._batch: Any = None
+        self._pending: _Pending | None = None
+        self.steps = 0
+        self._apply_tap()
+        self.rpc = RpcServer(settings.control, self.handle)
+        log.info(
+            "codraft: SGLang engine ready (draft v%d, taps %s, tap %s, control %s)",
+            self.current.version, list(self.taps), "on" if self.tap_enabled else "off",
+            settings.control,
+        )  # fmt: skip
+
+    @staticmethod
+    def _check(worker: Any, args: Any) -> None:
+        name = type(worker).__name__ if worker is not None else None
+        if name != "EAGLEWorkerV2":
+            raise SwapError(
+                503,
+                f"codraft's SGLang engine needs EAGLE-3 on SGLang's EAGLE worker v2 (the overlap "
+                f"scheduler), found {name}: start with speculative_algorithm='EAGLE3' and "
+                "without disable_overlap_schedule",
+            )
+        if int(getattr(args, "speculative_eagle_topk", 1) or 1) != 1:
+            raise SwapError(503, "codraft captures chains of drafts: speculative_eagle_topk=1")
+        if int(getattr(args, "tp_size", 1)) != 1 or int(getattr(args, "pp_size", 1)) != 1:
+            raise SwapError(503, "codraft's SGLang engine runs with tp_size=1 and pp_size=1")
+
+    # ------------------------------------------------------------------ the step
+    def on_batch(self, batch: Any) -> None:
+        """The EAGLE worker's step begins (its target forward follows)."""
+        self._batch = batch
+        self._pending = None
+
+    def width(self) -> int:
+        return (len(self.taps) + 1) * self.hidden
+
+    def on_target_forward(self, forward_batch: Any, output: Any) -> None:
+        """The target's forward returned: take the final hidden state off the draft's input
+        and gather the captured requests' rows."""
+        lo = getattr(output, "logits_output", None)
+        hs = getattr(lo, "hidden_states", None)
+        if hs is None or hs.dim() != 2 or hs.shape[-1] != self.width():
+            return
+        tap_width = len(self.taps) * self.hidden
+        lo.hidden_states = hs[:, :tap_width].contiguous()
+        batch = self._batch
+        if batch is None:  # a forward outside the EAGLE worker's step (warm-up)
+            return
+        try:
+            self._pending = self._stage(batch, forward_batch, hs, tap_width)
+        except Exception:
+            self.hook_errors += 1
+            log.exception("codraft: capture of a step failed (the step itself is unaffected)")
+
+    def _stage(self, batch: Any, fb: Any, hs: torch.Tensor, tap_width: int) -> _Pending:
+        reqs = list(batch.reqs)
+        rids = [r.rid for r in reqs]
+        for r in reqs:
+            if r.rid not in self.running and not r.finished():
+                self.running.add(r.rid)
+                self.capture.begin(r.rid, list(r.origin_input_ids))
+        # as SGLang's EAGLE worker tells a prefill from a verification
+        extend = bool(batch.forward_mode.is_extend() or getattr(batch, "is_extend_in_batch", 0))
+        rows = int(hs.shape[0])
+        if extend:
+            counts = [int(n) for n in batch.extend_lens]
+        else:
+            counts = [rows // max(len(rids), 1)] * len(rids)
+        if sum(counts) != rows:
+            raise ValueError(f"{rows} rows for requests of {counts} rows ({batch.forward_mode})")
+        staged = self.capture.rows_wanted(rids)
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + c)
+        ranges = [(offsets[i], offsets[i + 1]) for i in staged if counts[i]]
+        staged = [i for i in staged if counts[i]]
+        gathered = None
+        if ranges:
+            gathered = self.copier.copy(
+                fb.input_ids, fb.positions, [hs[:, :tap_width]], hs[:, tap_width:], ranges
+            )
+        return _Pending(rids, counts, extend, staged, gathered, self.current.version)
+
+    def end_batch(self, result: Any) -> None:
+        """The EAGLE worker's step returned `result`: the step's capture travels with it."""
+        if self._pending is not None and result is not None:
+            try:
+                result._codraft_step = self._pending
+            except AttributeError:  # a result type without a __dict__: the step is lost
+                self.hook_errors += 1
+        self._batch = self._pending = None
+        self.steps += 1
+
+    def on_result(self, batch: Any, result: Any) -> None:
+        """The scheduler processed a step's result (accepted lengths on the host)."""
+        pending = getattr(result, "_codraft_step", None)
+        try:
+            if pending is not None:
+                result._codraft_step = None
+                self._account(pending, result)
+            for req in batch.reqs:
+                if req.rid in self.running and req.finished():
+                    self._finished(req)
+        except Exception:
+            self.hook_errors += 1
+            log.exception("codraft: processing a step's capture failed")
+        self._check_rollback()
+
+    def _account(self, p: _Pending, result: Any) -> None:
+        if p.extend:
+            final = list(p.counts)
+        else:
+            accept = result.accept_lens
+            final = [int(a) for a in (accept.tolist() if accept is not None else [])]
+            if len(final) != len(p.rids):
+                raise ValueError(f"{len(final)} accepted lengths for {len(p.rids)} requests")
+            drafts = tokens = accepted = 0
+            for rid, k, a in zip(p.rids, p.counts, final, strict=True):
+                if rid in self.running and k > 1:
+                    drafts += 1
+                    tokens += k - 1
+                    accepted += a - 1
+                    self.acceptance.observe(rid, p.version, k - 1, a - 1)
+            self.acceptance.record(p.version, drafts, tokens, accepted)
+        n = len(p.rids)
+        self.capture.step(Step(p.rids, p.counts, final, [[] for _ in range(n)], p.rows, p.staged))
+
+    def _finished(self, req: Any) -> None:
+        rid = req.rid
+        self.running.discard(rid)
+        self.capture.finish(rid, list(req.output_ids))
+        self.acceptance.close(rid)
+        self.versions_by_request[rid] = self.current.version
+        while len(self.versions_by_request) > self.cfg.request_versions_max:
+            self.versions_by_request.popitem(last=False)
+
+    def _check_rollback(self) -> None:
+        if not self.cfg.auto_rollback or self.previous is None or self.pending_rollback:
+            return
+        rate = self.acceptance.request_rate(self.current.version)
+        if should_roll_back(rate, self.reference_rate, self.cfg.rollback_fraction):
+            self.pending_rollback = (
+                f"auto: draft v{self.current.version} accepts {rate:.3f} of its tokens over "
+                f"whole requests, below {self.cfg.rollback_fraction} x "
+                f"v{self.previous.version}'s {self.reference_rate:.3f}"
+            )
+
+    def poll(self) -> None:
+        """Between batches: a pending automatic rollback, then codraft's control calls."""
+        if self.pending_rollback is not None:
+            reason, self.pending_rollback = self.pending_rollback, None
+            if self.previous is not None:
+                self.rollback(reason, auto=True)
+        self.rpc.poll()
+
+    # ------------------------------------------------------------------ tap plumbing
+    def _want(self, rid: str) -> str | None:
+        if not (self.tap_enabled and self.publisher is not None):
+            return None
+        if not sampled(rid, self.sample_rate):
+            self.sampled_out += 1
+            return None
+        return self.tap_mode
+
+    def _emit(self, msg: Any) -> None:
+        if self.publisher is not None:
+            self.publisher.put(msg)
+
+    def _apply_tap(self) -> None:
+        want = self.tap_enabled and self.endpoint is not None
+        if self.publisher is not None and (not want or self.publisher.endpoint != self.endpoint):
+            self.assembler.flush()
+            self.close_publisher()
+        if want and self.publisher is None:
+            try:
+                self.publisher = TapPublisher(
+                    self.endpoint,
+                    queue_size=self.cfg.tap_queue_size,
+                    hwm=self.cfg.tap_hwm,
+                    linger_ms=self.cfg.tap_linger_ms,
+                )
+            except ValueError as e:
+                self.tap_enabled = False
+                raise SwapError(422, str(e)) from None
+
+    def close_publisher(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+            self.closed_totals.add(self.publisher.totals())
+            self.publisher = None
+
+    def close(self) -> None:
+        self.assembler.flush()
+        self.close_publisher()
+        self.assembler.close()
+        self.rpc.close()
+
+    # ------------------------------------------------------------------ control calls
+    def handle(self, method: str, kwargs: dict) -> dict:
+        fn = self.CALLS.get(method)
+        if fn is None:
+            return {"ok": False, "status": 501,
+                    "error": f"{method} is not offered by codraft's SGLang engine; it offers "
+                             f"{sorted(self.CALLS)}"}  # fmt: skip
+        try:
+            return fn(self, **kwargs)
+        except SwapError as e:
+            return {"ok": False, "status": e.status, "error": str(e)}
+        except TypeError as e:  # unexpected or missing arguments
+            return {"ok": False, "status": 422, "error": f"{method}: {e}"}
+
+    def info(self) -> dict:
+        return {
+            "ok": True,
+            "draft": {
+                **self.current.info(),
+                "previous_version": self.previous.version if self.previous else None,
+                "highest_version": self.highest,
+            },
+            "policy": {"version": self.policy_version, "path": None, "loaded_at": None},
+            "tap": self.tap_info(),
+            "engine": "sglang",
+        }
+
+    def tap_info(self) -> dict:
+        return {"enabled": self.tap_enabled, "mode": self.tap_mode,
+                "sample_rate": self.sample_rate, "endpoint": self.endpoint}  # fmt: skip
+
+    def _read(self, path: Any, version: Any, sha256: Any) -> tuple[Any, Any, dict, int, float]:
+        """Read and check a checkpoint against the serving draft's contract (the vLLM engine's
+        checks and statuses): (config, meta, tensors, version, milliseconds)."""
+        t0 = time.perf_counter()
+        if not isinstance(path, str) or not path:
+            raise SwapError(422, f"path must be a non-empty string, got {path!r}")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise SwapError(422, f"version must be an integer or null, got {version!r}")
+        if not Path(path).exists():
+            raise SwapError(404, f"no draft checkpoint at {path}")
+        try:
+            cfg, meta, tensors = load_checked(Path(path), DraftContract.of(self.current.config))
+        except DraftCheckpointError as e:
+            raise SwapError(422, str(e)) from None
+        version = meta.version if version is None else version
+        if version != meta.version:
+            raise SwapError(422, f"version {version} differs from the checkpoint's "
+                                 f"{meta.version} (codraft.json)")  # fmt: skip
+        if sha256 is not None and sha256 != meta.weights_sha256:
+            raise SwapError(422, f"sha256 {sha256} differs from the checkpoint's")
+        if version <= self.highest:
+            raise SwapError(409, f"draft version {version} is not newer than {self.highest}")
+        self.weights.check_maps(tensors)
+        return cfg, meta, tensors, version, 1e3 * (time.perf_counter() - t0)
+
+    def prepare_draft(self, path: Any, version: Any = None, sha256: Any = None) -> dict:
+        """Read and check now (between two batches: a draft is small), install at the swap."""
+        cfg, meta, tensors, version, ms = self._read(path, version, sha256)
+        self.ticket += 1
+        self.staged = {
+            "ticket": str(self.ticket), "path": path, "version": version, "state": "ready",
+            "status": None, "error": None, "sha256": meta.weights_sha256,
+            "files_changed": False, "timing_ms": {"read_check_ms": ms},
+        }  # fmt: skip
+        self.staged_data = (cfg, meta, tensors)
+        return {"ok": True, "ticket": self.staged["ticket"], "version": version, "ready": False}
+
+    def staged_draft(self) -> dict:
+        if self.staged is None:
+            raise SwapError(404, "no draft is staged")
+        return {"ok": True, "staged": self.staged}
+
+    def swap_draft(self, path: Any, version: Any = None, sha256: Any = None) -> dict:
+        """Install the staged draft when it is this checkpoint, else read it first."""
+        st, ahead = self.staged, False
+        if st is not None and st["path"] == path and version in (None, st["version"]):
+            if sha256 is None or sha256 == st["sha256"]:
+                ahead = st["version"] > self.highest
+        if ahead:
+            (cfg, meta, tensors), version = self.staged_data, st["version"]
+            ms = 0.0
+        else:
+            cfg, meta, tensors, version, ms = self._read(path, version, sha256)
+        self.staged = self.staged_data = None
+        t1 = time.perf_counter()
+        self.weights.write(tensors)
+        install = 1e3 * (time.perf_counter() - t1)
+        old = self.current
+        self.previous, self.previous_params = old, self.weights.take_saved()
+        self.current = DraftSlot(version, meta.weights_sha256, path, utc_now(), cfg, {})
+        self.highest = version
+        self.reference_rate = self.acceptance.request_rate(old.version)
+        self.acceptance.reset_window(version)
+        self.swaps += 1
+        log.info("codraft: draft v%d -> v%d", old.version, version)
+        return {"ok": True, "ready": True, "prepared_ahead": ahead, "draft": self.info()["draft"],
+                "timing_ms": {"read_check_ms": ms, "install_ms": install}}  # fmt: skip
+
+    def rollback(self, reason: Any = "manual", auto: bool = False) -> dict:
+        if self.previous is None or self.previous_params is None:
+            raise SwapError(409, "no previous draft to roll back to (one level is kept)")
+        self.weights.restore(self.previous_params)
+        rolled, self.current = self.current, self.previous
+        self.previous = self.previous_params = None
+        self.acceptance.reset_window(self.current.version)
+        self.reference_rate = None
+        self.rollbacks += 1
+        self.auto_rollbacks += int(auto)
+        log.warning("codraft: draft v%d rolled back to v%d (%s)",
+                    rolled.version, self.current.version, reason)  # fmt: skip
+        return {"ok": True, "draft": self.info()["draft"], "rolled_back_from": rolled.version}
+
+    def set_tap(self, enabled: Any = None, mode: Any = None, sample_rate: Any = None,
+                endpoint: Any = None) -> dict:  # fmt: skip
+        if enabled is not None and not isinstance(enabled, bool):
+            raise SwapError(422, f"enabled must be true, false or null, got {enabled!r}")
+        if mode is not None and mode not in ("full", "ids", "off"):
+            raise SwapError(422, f"mode must be 'full', 'ids', 'off' or null, got {mode!r}")
+        try:
+            rate = check_sample_rate(sample_rate) if sample_rate is not None else self.sample_rate
+            new_endpoint = check_endpoint(endpoint) if endpoint is not None else self.endpoint
+        except ValueError as e:
+            raise SwapError(422, str(e)) from None
+        on = self.tap_enabled if enabled is None else enabled
+        if mode == "off":
+            on = False
+        if on and new_endpoint is None:
+            raise SwapError(422, "cannot enable the tap without an endpoint: give endpoint too")
+        if mode in ("full", "ids"):
+            self.tap_mode = mode
+        self.tap_enabled, self.sample_rate, self.endpoint = on, rate, new_endpoint
+        self._apply_tap()
+        return {"ok": True, "tap": self.tap_info()}
+
+    def stats(self, flush: Any = False) -> dict:
+        if not isinstance(flush, bool):
+            raise SwapError(422, f"flush must be true or false, got {flush!r}")
+        if flush:
+            self.assembler.flush()
+            if self.publisher is not None:
+                self.publisher.flush()
+        totals = PublisherStats(**vars(self.closed_totals))
+        depth = 0
+        if self.publisher is not None:
+            totals.add(self.publisher.totals())
+            depth = self.publisher.stats()["queue_depth"]
+        c = self.stats_
+        return {
+            "ok": True,
+            "tap": {
+                **vars(totals),
+                "queue_depth": depth,
+                "requests_captured": c.requests_captured,
+                "requests_incomplete": c.requests_incomplete,
+                "requests_inconsistent": c.requests_inconsistent,
+                "requests_sampled_out": self.sampled_out,
+                "steps_lost": c.steps_lost,
+                "steps_skipped": self.copier.steps_skipped,
+                "device_bytes_held": self.copier.held_bytes,
+                "capture_queue_depth": self.assembler.depth(),
+                "hook_errors": self.hook_errors,
+                "assembly": "thread",
+                "rows_via": "host copy",
+            },
+            "hooks": {"runner": "sglang-eagle-v2", "steps": self.steps},
+            "acceptance": self.acceptance.snapshot(),
+            "swaps": self.swaps,
+            "rollbacks": self.rollbacks,
+            "auto_rollbacks": self.auto_rollbacks,
+            "policy_version": self.policy_version,
+            "draft_version": self.current.version,
+        }
+
+    def request_versions(self, request_ids: Any) -> dict:
+        if not isinstance(request_ids, list) or not all(isinstance(r, str) for r in request_ids):
+            raise SwapError(422, f"request_ids must be a list of strings, got {request_ids!r}")
+        versions = {
+            r: self.current.version if r in self.running else self.versions_by_request.get(r)
+            for r in request_ids
+        }
+        return {"ok": True, "versions": versions, "current": self.current.version}
+
+    CALLS = {
+        "codraft_info": info,
+        "codraft_load_draft": swap_draft,
+        "codraft_swap_draft": swap_draft,
+        "codraft_prepare_draft": prepare_draft,
+        "codraft_staged_draft": staged_draft,
+        "codraft_rollback_draft": rollback,
+        "codraft_set_tap": set_tap,
+        "codraft_stats": stats,
+        "codraft_request_versions": request_versions,
+    }

@@ -1,0 +1,129 @@
+"""codraft's SGLang plugin: the hooks that put codraft's engine (codraft.server.sglang.engine)
+into SGLang's scheduler process. No SGLang file is changed.
+
+SGLang (0.5.17) loads general plugins, entry-point group `sglang.srt.plugins` (codraft's
+pyproject names `register` below), in every process it starts, and wraps the methods they name
+through its `HookRegistry` before the engine is built. `register` does nothing unless
+`codraft serve --engine sglang` (or a script) set `CODRAFT_SGLANG` (engine.ENV), so installing
+codraft changes no other SGLang server. The hooks:
+
+* `ModelRunner.load_model` (after): marks the target's logits processor (not the draft's);
+* `LogitsProcessor.forward` (around): for the marked one, hands the final hidden state (after
+  the final norm) to SGLang's capture of the tap layers as one more captured layer, so the
+  verify and extend outputs carry it, CUDA graphs included (the graphs are captured after
+  `load_model`);
+* `ModelRunner.forward` (around, target only): the engine takes that state off before the
+  draft reads the hidden states, and gathers the captured rows;
+* `EAGLEWorkerV2.forward_batch_generation` (around): which batch the target forward belongs to,
+  and the step's capture attached to its result;
+* `Scheduler.__init__` (after): builds the engine; `Scheduler.process_batch_result` (after):
+  the step's accepted lengths and finished requests; `Scheduler.process_input_requests`
+  (after): codraft's control calls, between batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from codraft.server.sglang.engine import ENV, Settings, SGLangEngine
+
+log = logging.getLogger(__name__)
+
+_engine: SGLangEngine | None = None
+MARK = "_codraft_final_state"
+
+
+def engine() -> SGLangEngine | None:
+    """This process's engine (a scheduler process's, once built)."""
+    return _engine
+
+
+def _scheduler_built(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    global _engine
+    settings = Settings.from_env()
+    if settings is not None and _engine is None:
+        _engine = SGLangEngine(scheduler, settings)  # a failure here stops the server: said why
+
+
+def _after_load(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
+    if not getattr(runner, "is_draft_worker", False):
+        processor = getattr(runner.model, "logits_processor", None)
+        if processor is not None:
+            setattr(processor, MARK, True)
+
+
+def _logits_forward(original: Any, processor: Any, *args: Any, **kwargs: Any) -> Any:
+    if getattr(processor, MARK, False) and len(args) >= 2:
+        final = args[1]  # the hidden states after the final norm, every row
+        if len(args) >= 5:
+            args = (*args[:4], _with_final(args[4], final), *args[5:])
+        elif "aux_hidden_states" in kwargs:
+            kwargs["aux_hidden_states"] = _with_final(kwargs["aux_hidden_states"], final)
+    return original(processor, *args, **kwargs)
+
+
+def _with_final(aux: Any, final: Any) -> Any:
+    import torch
+
+    if isinstance(aux, list | tuple) and aux:
+        return [*aux, final]
+    if isinstance(aux, torch.Tensor):  # SGLang's packed form of the captured layers
+        return torch.cat([aux, final], dim=-1)
+    return aux  # nothing captured in this forward
+
+
+def _runner_forward(original: Any, runner: Any, forward_batch: Any, *args: Any, **kwargs: Any):
+    out = original(runner, forward_batch, *args, **kwargs)
+    if _engine is not None and not getattr(runner, "is_draft_worker", False):
+        _engine.on_target_forward(forward_batch, out)
+    return out
+
+
+def _generation(original: Any, worker: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    if _engine is None:
+        return original(worker, batch, *args, **kwargs)
+    _engine.on_batch(batch)
+    result = None
+    try:
+        result = original(worker, batch, *args, **kwargs)
+        return result
+    finally:
+        _engine.end_batch(result)
+
+
+def _batch_result(result: Any, scheduler: Any, batch: Any, step_result: Any, *a: Any, **k: Any):
+    if _engine is not None:
+        _engine.on_result(batch, step_result)
+
+
+def _inputs(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    if _engine is not None:
+        _engine.poll()
+
+
+HOOKS = (
+    ("sglang.srt.managers.scheduler.Scheduler.__init__", _scheduler_built, "AFTER"),
+    ("sglang.srt.model_executor.model_runner.ModelRunner.load_model", _after_load, "AFTER"),
+    ("sglang.srt.layers.logits_processor.LogitsProcessor.forward", _logits_forward, "AROUND"),
+    ("sglang.srt.model_executor.model_runner.ModelRunner.forward", _runner_forward, "AROUND"),
+    (
+        "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation",
+        _generation,
+        "AROUND",
+    ),
+    ("sglang.srt.managers.scheduler.Scheduler.process_batch_result", _batch_result, "AFTER"),
+    ("sglang.srt.managers.scheduler.Scheduler.process_input_requests", _inputs, "AFTER"),
+)
+
+
+def register() -> None:
+    """SGLang's plugin entry point (every SGLang process calls it)."""
+    if not os.environ.get(ENV):
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook, kind in HOOKS:
+        HookRegistry.register(target, hook, HookType[kind])
+    log.info("codraft: SGLang hooks registered")

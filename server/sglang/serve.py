@@ -1,0 +1,181 @@
+"""`codraft serve --engine sglang`: SGLang's own OpenAI-compatible server with codraft inside.
+
+SGLang's HTTP server (`sglang.srt.entrypoints.http_server`, its OpenAI routes, streaming,
+/generate, ...) runs as `python -m sglang.launch_server` runs it, with:
+
+* EAGLE-3 speculative decoding with codraft's draft (a chain: topk 1), started from an SGLang
+  view of the codraft checkpoint (`sglang_view`: its config with SGLang's tap numbering, the
+  same weights file);
+* codraft's engine in the scheduler process (codraft.server.sglang.plugin, enabled through the
+  environment), reached over codraft's own control socket (codraft.server.sglang.rpc);
+* codraft's control routes (/v1/draft, /v1/draft/rollback, /v1/tap, GET /v1/draft), /ready and
+  /metrics on the same port, in front of SGLang's routes, and the X-Codraft-Draft-Version /
+  X-Codraft-Policy-Version headers on /v1/completions and /v1/chat/completions.
+
+What the vLLM engine has and this one does not yet: a separate control port, the RL
+weight-sync routes, policy reload, draft preparation ahead of a swap (`POST /v1/draft` reads,
+checks and installs in one call, between two batches), DFlash drafts. Arguments `codraft serve`
+does not know go to SGLang's own parser (e.g. `--mem-fraction-static 0.5`); SGLang's admin
+routes (/update_weights_from_disk, /flush_cache, ...) stay SGLang's, guarded by its
+`--admin-api-key` when given: bind to loopback (the default) unless that is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from codraft.server.serve_config import ServeConfig
+
+log = logging.getLogger("codraft.serve")
+
+VIEW_DIR = "sglang-drafts"
+
+
+def sglang_view(draft: Path, work_dir: Path) -> Path:
+    """A folder SGLang loads the codraft EAGLE-3 checkpoint `draft` from: its config.json in
+    SGLang's tap numbering (DraftConfig.to_hf_dict(engine="sglang")) beside a link to the same
+    weights file. Rewritten when the checkpoint changes (named by its weights' sha256)."""
+    from codraft.draft.checkpoint import WEIGHTS_NAME, config_from_hf, sha256_file
+
+    cfg = config_from_hf(json.loads((draft / "config.json").read_text()))
+    if cfg.kind != "eagle3":
+        raise ValueError(f"--engine sglang serves EAGLE-3 drafts; {draft} is a {cfg.kind} draft")
+    weights = (draft / WEIGHTS_NAME).resolve()
+    out = work_dir / VIEW_DIR / f"{draft.name}-{sha256_file(weights)[:12]}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(engine="sglang"), indent=2))
+    link = out / WEIGHTS_NAME
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(weights)
+    return out
+
+
+def sglang_argv(cfg: ServeConfig, model: Path, view: Path) -> list[str]:
+    """SGLang's server command line for `cfg` (cfg.vllm_args, the pass-through, last: they
+    win). In "full" tap mode the radix cache is off, as vLLM's prefix caching is with the vLLM
+    engine: a request whose prefix came from the cache has no features for it, and the tap
+    would send none of its rows (it counts such requests incomplete)."""
+    k = cfg.num_speculative_tokens
+    argv = [
+        "--model-path", str(model), "--host", cfg.host, "--port", str(cfg.port),
+        "--dtype", cfg.dtype,
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(view),
+        "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", str(k + 1),
+    ]  # fmt: skip
+    if cfg.max_model_len is not None:
+        argv += ["--context-length", str(cfg.max_model_len)]
+    if cfg.tap_mode == "full" and cfg.tap_endpoint and "--disable-radix-cache" not in cfg.vllm_args:
+        argv.append("--disable-radix-cache")
+    return argv + list(cfg.vllm_args)
+
+
+def unsupported(cfg: ServeConfig) -> list[str]:
+    """What `cfg` asks of the vLLM engine that the SGLang engine does not do."""
+    out = []
+    if cfg.control_port is not None:
+        out.append("--control-port (the control routes are on the OpenAI port)")
+    if cfg.weight_transfer is not None:
+        out.append("--weight-transfer (vLLM's RL weight-sync routes)")
+    if cfg.drafter not in (None, "eagle3"):
+        out.append(f"--drafter {cfg.drafter} (EAGLE-3 only)")
+    return out
+
+
+def main(cfg: ServeConfig) -> int:
+    """Run SGLang's server with codraft until it stops."""
+    from codraft.server.committed import choose_draft, record_path
+    from codraft.server.engine_config import ADDITIONAL_CONFIG_KEY, EngineConfig
+    from codraft.server.serve_config import engine_settings, resolve_draft, resolve_model
+    from codraft.server.sglang.engine import ENV, Settings
+
+    try:
+        import sglang  # noqa: F401
+    except ImportError as e:
+        print(
+            f"codraft serve --engine sglang: SGLang is not importable here ({e}); it runs on GPU "
+            "machines (scripts/gpu_sglang/install.sh, docs/sglang.md)",
+            file=sys.stderr,
+        )
+        return 2
+    bad = unsupported(cfg)
+    if bad:
+        print(f"codraft serve --engine sglang: not supported: {'; '.join(bad)}", file=sys.stderr)
+        return 2
+    try:
+        token = cfg.resolve_token()
+        cfg.check_exposure(token)
+        model = resolve_model(cfg.model)
+        draft = resolve_draft(cfg, model)
+        if cfg.resume_draft:
+            draft = choose_draft(record_path(cfg.work_dir, model), draft)
+        view = sglang_view(draft, Path(cfg.work_dir))
+        codraft = EngineConfig.from_dict(engine_settings(cfg)[ADDITIONAL_CONFIG_KEY])
+    except (ValueError, FileNotFoundError) as e:
+        print(f"codraft serve: {e}", file=sys.stderr)
+        return 2
+    if token is None:
+        log.warning("no control token configured: control routes are open on loopback")
+    control_dir = tempfile.mkdtemp(prefix="codraft-control-")  # 0700: only this user connects
+    endpoint = f"ipc://{control_dir}/engine"
+    os.environ[ENV] = Settings(str(draft), endpoint, codraft).to_env()
+    try:
+        server_args = parse_sglang_args(sglang_argv(cfg, model, view))
+    except SystemExit as e:  # SGLang's parser printed what it refused
+        return int(e.code or 2)
+    run(cfg, server_args, token, endpoint, record_path(cfg.work_dir, model))
+    return 0
+
+
+def parse_sglang_args(argv: list[str]):
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog="codraft serve --engine sglang", allow_abbrev=False)
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(argv))
+
+
+def run(cfg: ServeConfig, server_args, token: str | None, endpoint: str, record: Path) -> None:
+    import zmq
+    from sglang.srt.entrypoints import http_server
+
+    from codraft.server.api import CONTROL_PATHS, ControlSettings, EngineControl
+    from codraft.server.metrics import MetricsEndpoint
+    from codraft.server.serve import Dispatch, VersionHeaders, build_control_app
+    from codraft.server.sglang.rpc import MAX_FRAME, RpcClient
+
+    settings = ControlSettings(checkpoint_root=cfg.checkpoint_root, committed_file=str(record))
+    control = EngineControl(RpcClient(endpoint), settings)
+    capp = build_control_app(control, token, MetricsEndpoint(control))
+    paths = frozenset(CONTROL_PATHS | {"/ready", "/metrics"})
+    app = http_server.app
+    app.add_middleware(Dispatch, side=capp, paths=paths)
+    app.add_middleware(VersionHeaders, control=control)
+
+    def ready() -> None:  # SGLang's warm-up thread, once the server answers
+        import msgpack
+
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        sock.send(msgpack.packb({"method": "codraft_info", "kwargs": {}}))
+        if sock.poll(30_000):
+            info = msgpack.unpackb(sock.recv(), raw=False)
+            control.draft_version = (info.get("draft") or {}).get("version")
+            control.policy_version = (info.get("policy") or {}).get("version")
+        sock.close(0)
+        print(
+            f"codraft serve: OpenAI API on http://{cfg.host}:{cfg.port} (SGLang engine, draft "
+            f"v{control.draft_version}, control here)",
+            flush=True,
+        )
+
+    http_server.launch_server(server_args, launch_callback=ready)

@@ -1,0 +1,314 @@
+"""codraft.server.sglang.engine with SGLang's objects played by stand-ins.
+
+SGLang cannot run on this machine (no CPU build of its kernels reaches it; docs/sglang.md), so
+the scheduler, its EAGLE worker, the batches, the target's forward outputs and the draft model
+are stand-ins with the attributes codraft reads from SGLang 0.5.17 (the plugin's hooks call the
+same engine methods on the GPU: scripts/gpu_sglang/engine_checks.py). Everything of codraft's
+is real: the draft checkpoints and their checks, the assembler, the tap publisher over ZeroMQ,
+the decoded messages, the control socket, and the draft written through a `load_weights`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import zmq
+
+from codraft.draft.init import write_new_draft
+from codraft.models.config import TargetConfig
+from codraft.server.engine_config import EngineConfig
+from codraft.server.sglang.engine import ENV, Settings, SGLangEngine
+from codraft.server.sglang.plugin import _with_final
+from codraft.server.sglang.rpc import RpcClient
+from codraft.tap.message import decode
+
+DV = 64  # draft vocabulary
+
+
+class EAGLEWorkerV2:  # the name codraft checks: SGLang's EAGLE worker v2
+    def __init__(self, target_runner, draft_model):
+        self.target_worker = SimpleNamespace(model_runner=target_runner)
+        self.draft_worker = SimpleNamespace(draft_runner=SimpleNamespace(model=draft_model))
+
+
+class DraftModel(torch.nn.Module):
+    """SGLang's EAGLE-3 draft, reduced to what codraft uses: parameters under the checkpoint's
+    names (SGLang renames them; its `load_weights` maps them back) and `load_weights`, which
+    copies into the existing parameters and skips d2t/t2d as SGLang's does."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], embed: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.names = {}
+        for name, t in tensors.items():
+            if name in ("d2t", "t2d"):
+                continue
+            key = name.replace(".", "__")
+            self.names[name] = key
+            self.register_parameter(key, torch.nn.Parameter(t.clone(), requires_grad=False))
+        self.embed = embed  # the target's, shared (SGLang's set_embed)
+
+    def load_weights(self, weights) -> None:
+        for name, t in weights:
+            if name in ("d2t", "t2d"):
+                continue
+            getattr(self, self.names[name]).data.copy_(t)
+
+
+class Req:
+    def __init__(self, rid: str, prompt: list[int]) -> None:
+        self.rid, self.origin_input_ids, self.output_ids = rid, prompt, []
+        self.done = False
+
+    def finished(self) -> bool:
+        return self.done
+
+
+class Mode:
+    def __init__(self, extend: bool) -> None:
+        self.extend = extend
+
+    def is_extend(self) -> bool:
+        return self.extend
+
+
+def feats(pos: int, tok: int, taps: int, h: int) -> torch.Tensor:
+    """What the target computes at a position for a token: taps then the final state."""
+    return torch.arange((taps + 1) * h, dtype=torch.float32) * 0.01 + pos + 0.001 * tok
+
+
+@pytest.fixture()
+def setup(tiny_llama_dir: Path, tmp_path: Path):
+    draft = write_new_draft(tmp_path / "v0", tiny_llama_dir, draft_vocab_size=DV, version=0)
+    from safetensors.torch import load_file
+
+    tensors = load_file(draft / "model.safetensors")
+    cfg = TargetConfig.from_pretrained(tiny_llama_dir)
+    taps = json.loads((draft / "codraft.json").read_text())["tap_layers"]
+    target_model = torch.nn.Module()
+    target_model.embed = torch.nn.Parameter(torch.randn(cfg.vocab_size, cfg.hidden_size))
+    target_model.model = SimpleNamespace(layers_to_capture=list(taps))
+    runner = SimpleNamespace(
+        model=target_model, dtype=torch.float32, device="cpu", gpu_id=0,
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(hidden_size=cfg.hidden_size,
+                                                               to_dict=lambda: {}),
+                                     context_len=2048),
+    )  # fmt: skip
+    model = DraftModel(tensors, target_model.embed)
+    ctx = zmq.Context.instance()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    control = f"ipc://{tmp_path}/control"
+    settings = Settings(str(draft), control, EngineConfig(tap_endpoint=f"tcp://127.0.0.1:{port}"))
+    scheduler = SimpleNamespace(
+        draft_worker=EAGLEWorkerV2(runner, model),
+        server_args=SimpleNamespace(model_path=str(tiny_llama_dir), speculative_eagle_topk=1,
+                                    tp_size=1, pp_size=1),
+    )  # fmt: skip
+    engine = SGLangEngine(scheduler, settings)
+    yield SimpleNamespace(engine=engine, pull=pull, taps=len(taps), h=cfg.hidden_size,
+                          model=model, target=tiny_llama_dir, tmp=tmp_path,
+                          control=control)  # fmt: skip
+    engine.close()
+    pull.close(0)
+
+
+def forward(s, rows: list[tuple[int, int]]):
+    """The target's forward over (token, position) rows, as SGLang's model runner returns it
+    with codraft's plugin: hidden states [N, (taps + 1) * H]."""
+    hs = torch.stack([feats(p, t, s.taps, s.h) for t, p in rows])
+    fb = SimpleNamespace(input_ids=torch.tensor([t for t, _ in rows]),
+                         positions=torch.tensor([p for _, p in rows]))  # fmt: skip
+    return fb, SimpleNamespace(logits_output=SimpleNamespace(hidden_states=hs))
+
+
+def step(s, reqs, rows, extend, extend_lens=None, accept=None):
+    e = s.engine
+    batch = SimpleNamespace(reqs=reqs, forward_mode=Mode(extend), extend_lens=extend_lens)
+    e.on_batch(batch)
+    fb, out = forward(s, rows)
+    e.on_target_forward(fb, out)
+    # the draft reads the tap layers only
+    assert out.logits_output.hidden_states.shape[-1] == s.taps * s.h
+    result = SimpleNamespace(accept_lens=None if accept is None else torch.tensor(accept))
+    e.end_batch(result)
+    return batch, result
+
+
+def messages(pull, n: int) -> dict:
+    out = {}
+    for _ in range(n):
+        assert pull.poll(10_000), "no tap message arrived"
+        m = decode(pull.recv_multipart())
+        out[m.header.request_id] = m
+    return out
+
+
+def test_a_prefill_and_verifications_come_out_as_the_final_sequence_features(setup) -> None:
+    """Two requests: one prefill, then verifications of k = 3 rows (a accepts 2 drafts then
+    none, b none then 1), processed one step late as with SGLang's overlap scheduler; each
+    message holds exactly the inputs of its final sequence, with their tap layers and final
+    hidden state, and no rejected draft's row."""
+    s = setup
+    a, b = Req("a", [1, 2, 3]), Req("b", [7, 8])
+    prev = step(s, [a, b], [(1, 0), (2, 1), (3, 2), (7, 0), (8, 1)], True, [3, 2])
+    cur = step(s, [a, b], [(4, 3), (5, 4), (6, 5), (9, 2), (40, 3), (41, 4)], False,
+               accept=[3, 1])  # fmt: skip
+    s.engine.on_result(*prev)  # one step late
+    a.output_ids, b.output_ids = [4, 5, 6, 10], [9, 11]
+    prev, cur = cur, step(s, [a, b], [(10, 6), (99, 7), (98, 8), (11, 3), (13, 4), (97, 5)],
+                          False, accept=[1, 2])  # fmt: skip
+    s.engine.on_result(*prev)
+    a.output_ids += [12]
+    b.output_ids += [13, 14]
+    a.done = b.done = True
+    s.engine.on_result(*cur)
+    got = messages(s.pull, 2)
+    final = {"a": [1, 2, 3, 4, 5, 6, 10, 12], "b": [7, 8, 9, 11, 13, 14]}
+    for rid, seq in final.items():
+        m = got[rid]
+        n = m.num_tokens
+        assert m.token_ids.tolist() == seq[:n] and n >= len(seq) - 1
+        want = torch.stack([feats(p, seq[p], s.taps, s.h) for p in range(n)])
+        assert torch.equal(m.taps.float(), want[:, : s.taps * s.h])
+        assert torch.equal(m.last_hidden.float(), want[:, s.taps * s.h :])
+        assert m.header.draft_version == 0
+    stats = s.engine.stats()
+    assert stats["tap"]["hook_errors"] == 0 and stats["tap"]["requests_captured"] == 2
+    acc = stats["acceptance"]["0"]
+    assert acc["drafts"] == 4 and acc["accepted_tokens"] == 3  # (2 + 0) + (0 + 1)
+
+
+def test_planted_off_by_one_in_the_accepted_length_is_caught(setup, monkeypatch) -> None:
+    """Mutation check (planted from the test side): reading SGLang's accepted length as the
+    number of accepted drafts (one row fewer per verification) sends requests short or not at
+    all; the assembler's completeness rule and the features check above would both fail."""
+    s = setup
+    real = SGLangEngine._account
+
+    def planted(self, p, result):
+        if result.accept_lens is not None:
+            result.accept_lens = result.accept_lens - 1
+        return real(self, p, result)
+
+    monkeypatch.setattr(SGLangEngine, "_account", planted)
+    a = Req("a", [1, 2, 3])
+    prev = step(s, [a], [(1, 0), (2, 1), (3, 2)], True, [3])
+    cur = step(s, [a], [(4, 3), (5, 4), (6, 5)], False, accept=[3])
+    s.engine.on_result(*prev)
+    a.output_ids, a.done = [4, 5, 6, 7], True
+    s.engine.on_result(*cur)
+    s.engine.stats(flush=True)
+    assert s.engine.stats_.requests_captured == 0 and s.engine.stats_.requests_incomplete == 1
+
+
+def test_swap_and_rollback_write_the_draft_and_refuse_what_does_not_fit(setup) -> None:
+    s, e = setup, setup.engine
+    before = {n: p.clone() for n, p in s.model.named_parameters()}
+    embed = s.model.embed.clone()
+    v1 = write_new_draft(s.tmp / "v1", s.target, draft_vocab_size=DV, version=1, seed=1)
+    # the learner's publish: prepare, read the staged state, swap (installs what was staged)
+    ticket = e.handle("codraft_prepare_draft", {"path": str(v1), "version": 1})
+    assert ticket["ok"] and ticket["version"] == 1, ticket
+    assert e.handle("codraft_staged_draft", {})["staged"]["state"] == "ready"
+    for name, key in s.model.names.items():  # nothing written yet
+        assert torch.equal(getattr(s.model, key), before[key]), name
+    reply = e.handle("codraft_swap_draft", {"path": str(v1), "version": 1})
+    assert reply["ok"] and reply["draft"]["version"] == 1 and reply["prepared_ahead"], reply
+    assert e.handle("codraft_staged_draft", {})["status"] == 404
+    from safetensors.torch import load_file
+
+    new = load_file(v1 / "model.safetensors")
+    for name, key in s.model.names.items():
+        assert torch.equal(getattr(s.model, key), new[name]), name
+    assert torch.equal(s.model.embed, embed)  # the target's embedding is not the draft's
+    # a stale version, a missing folder, another vocabulary map: refused, v1 keeps serving
+    assert e.handle("codraft_swap_draft", {"path": str(v1), "version": 1})["status"] == 409
+    assert e.handle("codraft_swap_draft", {"path": str(s.tmp / "nope")})["status"] == 404
+    counts = torch.zeros(512, dtype=torch.int64)
+    counts[100 : 100 + DV] = 1
+    other = write_new_draft(s.tmp / "v2", s.target, counts, draft_vocab_size=DV, version=2)
+    bad = e.handle("codraft_swap_draft", {"path": str(other), "version": 2})
+    assert bad["status"] == 422 and "vocabulary map" in bad["error"]
+    for name, key in s.model.names.items():
+        assert torch.equal(getattr(s.model, key), new[name]), name
+    assert e.handle("codraft_bogus", {})["status"] == 501
+    back = e.handle("codraft_rollback_draft", {})
+    assert back["ok"] and back["draft"]["version"] == 0 and back["rolled_back_from"] == 1
+    for n, p in s.model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert e.handle("codraft_rollback_draft", {})["status"] == 409
+
+
+def test_the_control_socket_answers_between_batches(setup) -> None:
+    """The serving process's client (EngineControl's engine interface) against the engine's
+    socket, which answers only when the scheduler polls it."""
+    s = setup
+
+    async def call() -> list[dict]:
+        client = RpcClient(s.control)
+        task = asyncio.create_task(client.collective_rpc("codraft_info", timeout=10))
+        for _ in range(200):  # the scheduler's loop
+            await asyncio.sleep(0.01)
+            s.engine.poll()
+            if task.done():
+                break
+        out = await task
+        client.close()
+        return out
+
+    (info,) = asyncio.run(call())
+    assert info["ok"] and info["draft"]["version"] == 0 and info["engine"] == "sglang"
+
+
+def test_the_final_state_rides_along_with_the_captured_layers() -> None:
+    """The plugin appends the final hidden state to SGLang's captured layers in either of
+    SGLang's forms (a list, or one packed tensor) and leaves a forward that captured none."""
+    h = [torch.ones(2, 3), 2 * torch.ones(2, 3)]
+    final = 5 * torch.ones(2, 3)
+    assert [t[0, 0].item() for t in _with_final(h, final)] == [1, 2, 5]
+    packed = _with_final(torch.cat(h, dim=-1), final)
+    assert packed.shape == (2, 9) and packed[0, -1].item() == 5
+    assert _with_final(None, final) is None and _with_final([], final) == []
+
+
+def test_settings_travel_through_the_environment(tmp_path: Path) -> None:
+    s = Settings("d", "ipc:///x", EngineConfig(tap_sample_rate=0.5))
+    back = Settings.from_env({ENV: s.to_env()})
+    assert back == s and Settings.from_env({}) is None
+
+
+def test_serve_gives_sglang_its_view_of_the_draft_and_says_what_it_cannot_do(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    from codraft.draft.config import DraftConfig
+    from codraft.server.serve_config import ServeConfig
+    from codraft.server.sglang.serve import main, sglang_argv, sglang_view, unsupported
+
+    draft = write_new_draft(tmp_path / "d", tiny_llama_dir, draft_vocab_size=DV)
+    view = sglang_view(draft, tmp_path / "work")
+    hf = json.loads((view / "config.json").read_text())
+    ours = DraftConfig.from_hf_dict(json.loads((draft / "config.json").read_text()))
+    assert hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        t - 1 for t in ours.tap_layers
+    ]  # SGLang adds 1 to every id it reads
+    assert (view / "model.safetensors").resolve() == (draft / "model.safetensors").resolve()
+    cfg = ServeConfig(engine="sglang", tap_endpoint="tcp://127.0.0.1:5557", vllm_args=["--x"])
+    argv = sglang_argv(cfg, tiny_llama_dir, view)
+    assert argv[-2:] == ["--disable-radix-cache", "--x"]  # the tap needs every row computed
+    assert (
+        "--speculative-eagle-topk" in argv
+        and argv[argv.index("--speculative-eagle-topk") + 1] == "1"
+    )
+    assert (
+        len(unsupported(ServeConfig(engine="sglang", control_port=9000, weight_transfer="ipc")))
+        == 2
+    )
+    with pytest.raises(ValueError, match="engine must be one of"):
+        ServeConfig(engine="trt")
+    # on this machine there is no SGLang: a clear refusal, no traceback
+    assert main(ServeConfig(engine="sglang")) == 2
