@@ -22,7 +22,7 @@ import zmq
 from codraft.draft.init import write_new_draft
 from codraft.models.config import TargetConfig
 from codraft.server.engine_config import EngineConfig
-from codraft.server.sglang.engine import ENV, Settings, SGLangEngine
+from codraft.server.sglang.engine import ENV, Settings, SGLangEngine, split_final
 from codraft.server.sglang.plugin import _with_final
 from codraft.server.sglang.rpc import RpcClient
 from codraft.tap.message import decode
@@ -131,7 +131,7 @@ def step(s, reqs, rows, extend, extend_lens=None, accept=None):
     batch = SimpleNamespace(reqs=reqs, forward_mode=Mode(extend), extend_lens=extend_lens)
     e.on_batch(batch)
     fb, out = forward(s, rows)
-    e.on_target_forward(fb, out)
+    e.on_target_forward(fb, split_final(e.target_runner, out))
     # the draft reads the tap layers only
     assert out.logits_output.hidden_states.shape[-1] == s.taps * s.h
     result = SimpleNamespace(accept_lens=None if accept is None else torch.tensor(accept))

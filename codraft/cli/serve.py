@@ -1,4 +1,5 @@
-"""`codraft serve`: vLLM's OpenAI server with an EAGLE-3 draft, the tap and the control API."""
+"""`codraft serve`: vLLM's (or, --engine sglang, SGLang's) OpenAI server with a draft, the
+tap and the control API."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ def register(sub: Any, commands: dict[str, Any]) -> None:
     sp = sub.add_parser(
         "serve",
         allow_abbrev=False,
-        help="vLLM's OpenAI server with an EAGLE-3 draft, the tap and the codraft control API",
-        description="Arguments codraft serve does not know are passed to vLLM "
-        "(e.g. --max-num-seqs 32).",
+        help="vLLM's (or SGLang's) OpenAI server with a draft, the tap and the control API",
+        description="Arguments codraft serve does not know are passed to the engine's own "
+        "parser (vLLM: e.g. --max-num-seqs 32; SGLang: e.g. --mem-fraction-static 0.5).",
     )
     add_arguments(sp)
     commands["serve"] = run

@@ -178,6 +178,11 @@ def compare_arms(results: dict[str, dict | None]) -> tuple[dict[str, Any], dict[
                 row["identical_outputs"] = f"{sum(same)}/{len(same)}"
                 row["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
                 lossless[name] = lossless.get(name, True) and all(same)
+            stock = results.get("eagle3")
+            if name == "eagle3-codraft" and stock is not None:  # codraft's hooks change nothing
+                other = stock["batches"][len(rows)]
+                same = [a == b for a, b in zip(other["token_ids"], r["token_ids"], strict=True)]
+                row["identical_to_eagle3"] = f"{sum(same)}/{len(same)}"
             rows.append(row)
         report[name] = rows
     return report, lossless

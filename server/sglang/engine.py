@@ -6,12 +6,13 @@ environment (`CODRAFT_SGLANG`: a JSON map of `EngineConfig`'s fields under "codr
 draft checkpoint SGLang was started with under "draft", codraft's control endpoint under
 "control"). What it needs of SGLang 0.5.17, all in the scheduler's own thread:
 
-* `on_batch(batch)` / `on_target_forward(forward_batch, output)` / `end_batch(result)`: the
+* `on_batch(batch)` / `on_target_forward(forward_batch, hidden)` / `end_batch(result)`: the
   EAGLE worker's step and, inside it, the target's forward. The target's verify or extend
   output carries the tap layers and, appended by the plugin, the final hidden state (after the
-  final norm: the tap's `last_hidden`); this takes the final state off before the draft reads
-  the hidden states, and gathers the rows of the captured requests on the engine's stream
-  (codraft.server.row_copy): no wait, no host copy in the step.
+  final norm: the tap's `last_hidden`); `split_final` takes the final state off before the
+  draft reads the hidden states (in every forward, warm-ups included), and this gathers the
+  rows of the captured requests on the engine's stream (codraft.server.row_copy): no wait, no
+  host copy in the step.
 * `on_result(batch, result)`: the scheduler's processing of that step, one step later with the
   overlap scheduler: SGLang's accepted lengths are on the host now, so each request's final
   rows are known (codraft.server.sglang.capture), acceptance is counted per draft version, and
@@ -87,6 +88,22 @@ class _Pending:
     staged: list[int]
     rows: StagedRows | None
     version: int  # the draft that proposed this step's drafts
+
+
+def split_final(runner: Any, output: Any) -> torch.Tensor | None:
+    """The target's forward `output` carries the final hidden state after the tap layers (the
+    plugin appends it): give the draft the tap layers alone, as SGLang made them, and return
+    the whole [rows, (taps + 1) * H] (None when this forward captured no layers)."""
+    lo = getattr(output, "logits_output", None)
+    hs = getattr(lo, "hidden_states", None)
+    taps = getattr(getattr(runner.model, "model", None), "layers_to_capture", None)
+    if hs is None or not taps or hs.dim() != 2:
+        return None
+    h = int(runner.model_config.hf_config.hidden_size)
+    if hs.shape[-1] != (len(taps) + 1) * h:
+        return None
+    lo.hidden_states = hs[:, : len(taps) * h].contiguous()
+    return hs
 
 
 class SGLangEngine:
@@ -193,23 +210,15 @@ class SGLangEngine:
         self._batch = batch
         self._pending = None
 
-    def width(self) -> int:
-        return (len(self.taps) + 1) * self.hidden
-
-    def on_target_forward(self, forward_batch: Any, output: Any) -> None:
-        """The target's forward returned: take the final hidden state off the draft's input
-        and gather the captured requests' rows."""
-        lo = getattr(output, "logits_output", None)
-        hs = getattr(lo, "hidden_states", None)
-        if hs is None or hs.dim() != 2 or hs.shape[-1] != self.width():
-            return
-        tap_width = len(self.taps) * self.hidden
-        lo.hidden_states = hs[:, :tap_width].contiguous()
+    def on_target_forward(self, forward_batch: Any, hidden: torch.Tensor) -> None:
+        """The target's forward returned `hidden` ([rows, (taps + 1) * H]: the tap layers and
+        the final hidden state; `split_final` already gave the draft its part): gather the
+        captured requests' rows."""
         batch = self._batch
-        if batch is None:  # a forward outside the EAGLE worker's step (warm-up)
-            return
+        if batch is None or hidden.shape[-1] != (len(self.taps) + 1) * self.hidden:
+            return  # a forward outside the EAGLE worker's step (warm-up)
         try:
-            self._pending = self._stage(batch, forward_batch, hs, tap_width)
+            self._pending = self._stage(batch, forward_batch, hidden, len(self.taps) * self.hidden)
         except Exception:
             self.hook_errors += 1
             log.exception("codraft: capture of a step failed (the step itself is unaffected)")

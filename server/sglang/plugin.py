@@ -27,7 +27,7 @@ import logging
 import os
 from typing import Any
 
-from codraft.server.sglang.engine import ENV, Settings, SGLangEngine
+from codraft.server.sglang.engine import ENV, Settings, SGLangEngine, split_final
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,12 @@ def _with_final(aux: Any, final: Any) -> Any:
 
 def _runner_forward(original: Any, runner: Any, forward_batch: Any, *args: Any, **kwargs: Any):
     out = original(runner, forward_batch, *args, **kwargs)
-    if _engine is not None and not getattr(runner, "is_draft_worker", False):
-        _engine.on_target_forward(forward_batch, out)
+    if getattr(runner.model, "logits_processor", None) is not None and getattr(
+        runner.model.logits_processor, MARK, False
+    ):
+        hidden = split_final(runner, out)
+        if hidden is not None and _engine is not None:
+            _engine.on_target_forward(forward_batch, hidden)
     return out
 
 
