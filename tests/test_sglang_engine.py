@@ -92,8 +92,12 @@ def setup(tiny_llama_dir: Path, tmp_path: Path):
     target_model = torch.nn.Module()
     target_model.embed = torch.nn.Parameter(torch.randn(cfg.vocab_size, cfg.hidden_size))
     target_model.model = SimpleNamespace(layers_to_capture=list(taps))
+    loaded: list[str] = []
+    updater = SimpleNamespace(
+        update_weights_from_disk=lambda path, fmt: (loaded.append(path), (True, "ok"))[1]
+    )
     runner = SimpleNamespace(
-        model=target_model, dtype=torch.float32, device="cpu", gpu_id=0,
+        model=target_model, dtype=torch.float32, device="cpu", gpu_id=0, weight_updater=updater,
         model_config=SimpleNamespace(hf_config=SimpleNamespace(hidden_size=cfg.hidden_size,
                                                                to_dict=lambda: {}),
                                      context_len=2048),
@@ -107,12 +111,12 @@ def setup(tiny_llama_dir: Path, tmp_path: Path):
     scheduler = SimpleNamespace(
         draft_worker=EAGLEWorkerV2(runner, model),
         server_args=SimpleNamespace(model_path=str(tiny_llama_dir), speculative_eagle_topk=1,
-                                    tp_size=1, pp_size=1),
+                                    tp_size=1, pp_size=1, disable_radix_cache=True),
     )  # fmt: skip
     engine = SGLangEngine(scheduler, settings)
     yield SimpleNamespace(engine=engine, pull=pull, taps=len(taps), h=cfg.hidden_size,
                           model=model, target=tiny_llama_dir, tmp=tmp_path,
-                          control=control)  # fmt: skip
+                          control=control, loaded=loaded)  # fmt: skip
     engine.close()
     pull.close(0)
 
@@ -312,3 +316,36 @@ def test_serve_gives_sglang_its_view_of_the_draft_and_says_what_it_cannot_do(
         ServeConfig(engine="trt")
     # on this machine there is no SGLang: a clear refusal, no traceback
     assert main(ServeConfig(engine="sglang")) == 2
+
+
+def test_a_policy_load_writes_the_target_only_and_drops_requests_it_split(
+    setup, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """A request running across a policy load is not sent (its features mix two policies);
+    one started after it is, with the new policy's version. The target's runner reloads the
+    folder (SGLang's own reload-from-disk route would load it into the draft too)."""
+    from codraft.testing import make_tiny_target
+
+    s, e = setup, setup.engine
+    a = Req("a", [1, 2, 3])
+    prev = step(s, [a], [(1, 0), (2, 1), (3, 2)], True, [3])
+    reply = e.handle("codraft_load_policy", {"path": str(tiny_llama_dir), "version": 1})
+    assert reply["ok"] and reply["policy"]["version"] == 1 and s.loaded == [str(tiny_llama_dir)]
+    assert (
+        e.handle("codraft_load_policy", {"path": str(tiny_llama_dir), "version": 1})["status"]
+        == 409
+    )
+    other = make_tiny_target(tmp_path / "other", hidden_size=32)
+    bad = e.handle("codraft_load_policy", {"path": str(other), "version": 2})
+    assert bad["status"] == 422 and "architecture" in bad["error"]
+    e.on_result(*prev)
+    cur = step(s, [a], [(4, 3), (8, 4), (9, 5)], False, accept=[1])
+    a.output_ids, a.done = [4, 10], True
+    e.on_result(*cur)
+    b = Req("b", [5, 6])
+    cur = step(s, [b], [(5, 0), (6, 1)], True, [2])
+    b.output_ids, b.done = [7], True
+    e.on_result(*cur)
+    got = messages(s.pull, 1)
+    assert list(got) == ["b"] and got["b"].header.policy_version == 1
+    assert e.stats(flush=True)["tap"]["requests_incomplete"] == 1

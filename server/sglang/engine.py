@@ -46,7 +46,16 @@ from codraft.server.row_copy import RowCopier, StagedRows
 from codraft.server.sglang.capture import SGLangCapture, Step
 from codraft.server.sglang.draft_weights import DraftWeights
 from codraft.server.sglang.rpc import RpcServer
-from codraft.server.weights import DraftSlot, SwapError, load_checked, read_initial_draft, utc_now
+from codraft.server.weights import (
+    DraftSlot,
+    PolicySlot,
+    SwapError,
+    check_policy,
+    folder_layout,
+    load_checked,
+    read_initial_draft,
+    utc_now,
+)
 from codraft.tap import model_fingerprint
 from codraft.tap.message import DTYPES
 
@@ -142,7 +151,6 @@ class SGLangEngine:
         self.staged: dict | None = None  # a draft read and checked ahead of its swap
         self.staged_data: tuple | None = None
         self.ticket = 0
-        self.policy_version = 0
         self.acceptance = Acceptance(self.cfg.rollback_window)
         self.reference_rate: float | None = None
         self.pending_rollback: str | None = None
@@ -162,10 +170,16 @@ class SGLangEngine:
         wire = DTYPES[self.cfg.tap_dtype] if self.cfg.tap_dtype else runner.dtype
         self.stats_ = CaptureStats()
         model_path = Path(args.model_path)
+        self.serving = {
+            "path": str(model_path),
+            "fingerprint": model_fingerprint(model_path if model_path.is_dir() else hf.to_dict()),
+            "layout": folder_layout(model_path)[1] if model_path.is_dir() else {},
+        }
+        self.policy = PolicySlot(0, str(model_path), utc_now())
         self.target = TapTarget(
             tap_layers=self.taps,
             hidden_size=self.hidden,
-            fingerprint=model_fingerprint(model_path if model_path.is_dir() else hf.to_dict()),
+            fingerprint=self.serving["fingerprint"],
             dtype=wire,
             max_model_len=int(getattr(runner.model_config, "context_len", 1 << 30)),
         )
@@ -174,7 +188,7 @@ class SGLangEngine:
             self.stats_,
         )  # fmt: skip
         self.capture = SGLangCapture(
-            self.assembler, want=self._want, policy_version=lambda: self.policy_version
+            self.assembler, want=self._want, policy_version=lambda: self.policy.version
         )
         device = torch.device(runner.device, runner.gpu_id) if runner.device == "cuda" else "cpu"
         self.copier = RowCopier(device, wire, self.cfg.tap_device_mb << 20)
@@ -388,7 +402,7 @@ class SGLangEngine:
                 "previous_version": self.previous.version if self.previous else None,
                 "highest_version": self.highest,
             },
-            "policy": {"version": self.policy_version, "path": None, "loaded_at": None},
+            "policy": self.policy.info(),
             "tap": self.tap_info(),
             "engine": "sglang",
         }
@@ -465,6 +479,35 @@ class SGLangEngine:
         return {"ok": True, "ready": True, "prepared_ahead": ahead, "draft": self.info()["draft"],
                 "timing_ms": {"read_check_ms": ms, "install_ms": install}}  # fmt: skip
 
+    def load_policy(self, path: Any, version: Any) -> dict:
+        """New target weights from a folder (the target's runner only: SGLang's own reload from
+        disk would load the same folder into the EAGLE-3 draft too). Requests running meanwhile
+        continue on the KV cache they have; their tap messages are not sent (policy changed)."""
+        if not isinstance(path, str) or not path:
+            raise SwapError(422, f"path must be a non-empty string, got {path!r}")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise SwapError(422, f"version must be an integer, got {version!r}")
+        if version <= self.policy.version:
+            raise SwapError(409, f"policy version {version} is not newer than the serving "
+                                 f"version {self.policy.version}")  # fmt: skip
+        check_policy(path, self.serving)
+        radix = not getattr(self.scheduler.server_args, "disable_radix_cache", True)
+        if radix and not self.scheduler.is_fully_idle():
+            raise SwapError(
+                409,
+                "SGLang's radix cache holds KV of the serving policy and is flushed only when "
+                "no request runs: retry when idle, or serve with --disable-radix-cache (the "
+                "default with the tap in full mode)",
+            )
+        ok, message = self.target_runner.weight_updater.update_weights_from_disk(path, "auto")
+        if not ok:
+            raise SwapError(500, f"policy reload failed: {message}")
+        if radix:
+            self.scheduler.flush_cache()
+        self.policy = PolicySlot(version, path, utc_now())
+        log.info("codraft: policy v%d loaded from %s", version, path)
+        return {"ok": True, "policy": self.policy.info(), "reset_prefix_cache": False}
+
     def rollback(self, reason: Any = "manual", auto: bool = False) -> dict:
         if self.previous is None or self.previous_params is None:
             raise SwapError(409, "no previous draft to roll back to (one level is kept)")
@@ -536,7 +579,7 @@ class SGLangEngine:
             "swaps": self.swaps,
             "rollbacks": self.rollbacks,
             "auto_rollbacks": self.auto_rollbacks,
-            "policy_version": self.policy_version,
+            "policy_version": self.policy.version,
             "draft_version": self.current.version,
         }
 
@@ -556,6 +599,7 @@ class SGLangEngine:
         "codraft_prepare_draft": prepare_draft,
         "codraft_staged_draft": staged_draft,
         "codraft_rollback_draft": rollback,
+        "codraft_load_policy": load_policy,
         "codraft_set_tap": set_tap,
         "codraft_stats": stats,
         "codraft_request_versions": request_versions,
