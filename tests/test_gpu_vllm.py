@@ -425,3 +425,19 @@ def test_the_sglang_sweep_counts_acceptance_per_batch_and_catches_a_differing_ou
     assert lossless == {"eagle3": False}  # the second batch's output differs
     assert [r["identical_outputs"] for r in report["eagle3"]] == ["1/1", "0/1"]
     assert report["eagle3"][0]["speedup"] == 2.0 and "dflash" not in report
+
+
+def test_sglang_kit_scripts_parse() -> None:
+    """The SGLang kit's scripts run on the GPU machine only; here: they parse and answer --help
+    (their imports of SGLang and of the GPU's packages are inside their functions)."""
+    kit = REPO / "scripts" / "gpu_sglang"
+    subprocess.run(["bash", "-n", str(kit / "install.sh")], check=True)
+    for script in (
+        "engine_checks.py",
+        "eagle3_smoke.py",
+        "capture_probe.py",
+        "check_sglang_src.py",
+    ):
+        r = subprocess.run([sys.executable, str(kit / script), "--help"], capture_output=True,
+                           text=True, cwd=REPO)  # fmt: skip
+        assert r.returncode == 0, (script, r.stderr)

@@ -349,3 +349,47 @@ def test_a_policy_load_writes_the_target_only_and_drops_requests_it_split(
     got = messages(s.pull, 1)
     assert list(got) == ["b"] and got["b"].header.policy_version == 1
     assert e.stats(flush=True)["tap"]["requests_incomplete"] == 1
+
+
+@pytest.fixture(scope="module")
+def sglang_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SGLang 0.5.17's wheel from the package index (its Python source, read without importing:
+    its modules need CUDA kernels)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("sglang-wheel")
+    cmd = [sys.executable, "-m", "pip", "download", "sglang==0.5.17", "--no-deps", "-q",
+           "--only-binary=:all:", "--python-version", "3.12",
+           "--platform", "manylinux_2_34_x86_64", "-d", str(out)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    wheels = sorted(out.glob("sglang-0.5.17-*.whl"))
+    if r.returncode != 0 or not wheels:
+        pytest.skip(f"sglang 0.5.17's wheel could not be downloaded: {r.stderr[-500:]}")
+    return wheels[0]
+
+
+def test_codraft_touches_sglang_where_sglang_0_5_17_has_it(sglang_wheel: Path, monkeypatch) -> None:
+    """Every hook target, the hooked signatures, the Llama call the final state rides on, and
+    the attributes the engine reads, found in SGLang's source (scripts/gpu_sglang/
+    check_sglang_src.py); a planted hook on a method SGLang does not have and a planted
+    argument order are reported."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "check_sglang_src", Path(__file__).parents[1] / "scripts/gpu_sglang/check_sglang_src.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    src = mod.Source(sglang_wheel)
+    assert mod.check(src) == []
+    from codraft.server.sglang import plugin
+
+    bogus = ("sglang.srt.managers.scheduler.Scheduler.process_batch_results", None, "AFTER")
+    monkeypatch.setattr(plugin, "HOOKS", (*plugin.HOOKS, bogus))
+    sig = ("sglang.srt.managers.scheduler", "Scheduler", "process_batch_result")
+    monkeypatch.setitem(mod.SIGNATURES, sig, ("result", "batch"))
+    problems = mod.check(src)
+    assert len(problems) == 2, problems
+    assert "no method process_batch_results" in problems[0]
+    assert "process_batch_result: positional parameters ['batch', 'result']" in problems[1]
