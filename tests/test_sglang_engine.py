@@ -393,3 +393,59 @@ def test_codraft_touches_sglang_where_sglang_0_5_17_has_it(sglang_wheel: Path, m
     assert len(problems) == 2, problems
     assert "no method process_batch_results" in problems[0]
     assert "process_batch_result: positional parameters ['batch', 'result']" in problems[1]
+
+
+def test_codraft_serve_routes_reach_the_engine_over_its_control_socket(setup) -> None:
+    """`codraft serve --engine sglang`'s wiring with a real HTTP server on 127.0.0.1: a FastAPI
+    app with one OpenAI route stands in for SGLang's, a thread polling the engine stands in
+    for SGLang's scheduler loop; codraft's routes, client, socket and engine are the real ones.
+    The learner's publish (prepare, staged, swap), the version header, auth, rollback, metrics."""
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+    from fastapi import FastAPI
+
+    from codraft.client import CodraftClient
+    from codraft.server.api import ControlSettings
+    from codraft.server.serve import free_port
+    from codraft.server.sglang.serve import engine_info, install_codraft
+
+    s = setup
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions() -> dict:
+        return {"id": "cmpl-1", "choices": [{"text": "x"}]}
+
+    token = "s3cret"
+    control = install_codraft(app, s.control, token, ControlSettings())
+    stop = threading.Event()
+
+    def scheduler() -> None:
+        while not stop.is_set():
+            s.engine.poll()
+            time.sleep(0.002)
+
+    threading.Thread(target=scheduler, daemon=True).start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    try:
+        control.draft_version = engine_info(s.control)["draft"]["version"]  # as ready() does
+        base = f"http://127.0.0.1:{port}"
+        client = CodraftClient(base, token=token)
+        client.wait_ready(timeout=30)
+        assert client.draft().version == 0
+        v1 = write_new_draft(s.tmp / "v1", s.target, draft_vocab_size=DV, version=1, seed=1)
+        assert client.publish_draft(1, str(v1)).version == 1
+        r = httpx.post(f"{base}/v1/completions", json={})
+        assert r.status_code == 200 and r.headers["x-codraft-draft-version"] == "1"
+        assert httpx.post(f"{base}/v1/draft/rollback").status_code == 401
+        assert client.rollback_draft().version == 0
+        assert client.metrics()["codraft_draft_version"] == 0
+        client.close()
+    finally:
+        server.should_exit = True
+        stop.set()

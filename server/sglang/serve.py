@@ -30,6 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from codraft.server.api import EngineControl
 from codraft.server.serve_config import ServeConfig
 
 log = logging.getLogger("codraft.serve")
@@ -142,36 +143,53 @@ def parse_sglang_args(argv: list[str]):
     return ServerArgs.from_cli_args(parser.parse_args(argv))
 
 
-def run(cfg: ServeConfig, server_args, token: str | None, endpoint: str, record: Path) -> None:
-    import zmq
-    from sglang.srt.entrypoints import http_server
-
-    from codraft.server.api import CONTROL_PATHS, ControlSettings, EngineControl
+def install_codraft(app, endpoint: str, token: str | None, settings) -> EngineControl:
+    """Put codraft's control routes, /ready, /metrics and the version headers in front of
+    SGLang's app (`app`), talking to the engine in the scheduler over `endpoint`."""
+    from codraft.server.api import CONTROL_PATHS, EngineControl
     from codraft.server.metrics import MetricsEndpoint
     from codraft.server.serve import Dispatch, VersionHeaders, build_control_app
-    from codraft.server.sglang.rpc import MAX_FRAME, RpcClient
+    from codraft.server.sglang.rpc import RpcClient
 
-    settings = ControlSettings(checkpoint_root=cfg.checkpoint_root, committed_file=str(record))
     control = EngineControl(RpcClient(endpoint), settings)
     capp = build_control_app(control, token, MetricsEndpoint(control))
-    paths = frozenset(CONTROL_PATHS | {"/ready", "/metrics"})
-    app = http_server.app
-    app.add_middleware(Dispatch, side=capp, paths=paths)
+    app.add_middleware(Dispatch, side=capp, paths=frozenset(CONTROL_PATHS | {"/ready", "/metrics"}))
     app.add_middleware(VersionHeaders, control=control)
+    return control
 
-    def ready() -> None:  # SGLang's warm-up thread, once the server answers
-        import msgpack
 
-        sock = zmq.Context.instance().socket(zmq.REQ)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
-        sock.setsockopt(zmq.LINGER, 0)
+def engine_info(endpoint: str, timeout_s: float = 30.0) -> dict:
+    """codraft_info over a blocking socket of its own (from a thread outside the event loop)."""
+    import msgpack
+    import zmq
+
+    from codraft.server.sglang.rpc import MAX_FRAME
+
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
         sock.connect(endpoint)
         sock.send(msgpack.packb({"method": "codraft_info", "kwargs": {}}))
-        if sock.poll(30_000):
-            info = msgpack.unpackb(sock.recv(), raw=False)
-            control.draft_version = (info.get("draft") or {}).get("version")
-            control.policy_version = (info.get("policy") or {}).get("version")
+        if not sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"the scheduler did not answer codraft_info in {timeout_s} s")
+        return msgpack.unpackb(sock.recv(), raw=False)
+    finally:
         sock.close(0)
+
+
+def run(cfg: ServeConfig, server_args, token: str | None, endpoint: str, record: Path) -> None:
+    from sglang.srt.entrypoints import http_server
+
+    from codraft.server.api import ControlSettings
+
+    settings = ControlSettings(checkpoint_root=cfg.checkpoint_root, committed_file=str(record))
+    control = install_codraft(http_server.app, endpoint, token, settings)
+
+    def ready() -> None:  # SGLang's warm-up thread, once the server answers
+        info = engine_info(endpoint)
+        control.draft_version = (info.get("draft") or {}).get("version")
+        control.policy_version = (info.get("policy") or {}).get("version")
         print(
             f"codraft serve: OpenAI API on http://{cfg.host}:{cfg.port} (SGLang engine, draft "
             f"v{control.draft_version}, control here)",
