@@ -19,8 +19,10 @@ to the one serving was rolled back, most likely so.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -122,6 +124,22 @@ def should_roll_back(current_rate: float | None, reference: float | None, fracti
     return current_rate < fraction * reference
 
 
+def rollback_reason(
+    acceptance: Acceptance, version: int, previous: int, reference: float | None, cfg: Any
+) -> str | None:
+    """The automatic-rollback rule of both engines: why draft `version` should give way to
+    `previous` (whose whole-request rate was `reference` when it was replaced), or None.
+    `cfg` is the engine's EngineConfig (rollback_window, rollback_fraction)."""
+    rate = acceptance.request_rate(version)
+    if not should_roll_back(rate, reference, cfg.rollback_fraction):
+        return None
+    return (
+        f"auto: draft v{version} accepts {rate:.3f} of its tokens over whole requests holding "
+        f"{cfg.rollback_window}+ verifications, below {cfg.rollback_fraction} x v{previous}'s "
+        f"{reference:.3f}"
+    )
+
+
 class _Windows:
     """Per version, the most recent entries (steps or requests) holding `window` verifications."""
 
@@ -151,3 +169,41 @@ class _Windows:
     def reset(self, version: int) -> None:
         self._recent.pop(version, None)
         self._held.pop(version, None)
+
+
+class AutoRollback:
+    """Both engines' automatic-rollback check (a mixin): reads `cfg` (EngineConfig),
+    `acceptance`, `current` and `previous` (draft slots) and `reference_rate`; sets
+    `pending_rollback` to the reason, which the engine acts on between steps."""
+
+    pending_rollback: str | None = None
+
+    def _check_rollback(self) -> None:
+        if not self.cfg.auto_rollback or self.previous is None or self.pending_rollback:
+            return
+        self.pending_rollback = rollback_reason(
+            self.acceptance,
+            self.current.version,
+            self.previous.version,
+            self.reference_rate,
+            self.cfg,
+        )
+
+
+class FinishedVersions:
+    """The draft version serving when each request finished, for the last `limit` request
+    ids (a response's X-Codraft-Draft-Version)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._versions: OrderedDict[str, int] = OrderedDict()
+
+    def note(self, keys: Iterable[str], version: int) -> None:
+        for key in keys:
+            self._versions[key] = max(version, self._versions.get(key, -1))
+            self._versions.move_to_end(key)
+        while len(self._versions) > self.limit:
+            self._versions.popitem(last=False)
+
+    def get(self, key: str) -> int | None:
+        return self._versions.get(key)

@@ -141,6 +141,15 @@ class CaptureStats:
     messages_built: int = 0
     steps_lost: int = 0  # steps whose tokens never arrived (given up after MAX_OUT_OF_ORDER)
 
+    def reported(self) -> dict[str, int]:
+        """The counters the engines' stats RPC reports."""
+        return {
+            "requests_captured": self.requests_captured,
+            "requests_incomplete": self.requests_incomplete,
+            "requests_inconsistent": self.requests_inconsistent,
+            "steps_lost": self.steps_lost,
+        }
+
 
 @dataclass
 class TapTarget:

@@ -79,23 +79,22 @@ import functools
 import logging
 import re
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from codraft.drafters import SERVED_DRAFTERS
 from codraft.server import cpu_sampling, hooks
-from codraft.server.acceptance import Acceptance, should_roll_back
+from codraft.server.acceptance import Acceptance, AutoRollback, FinishedVersions
 from codraft.server.capture import Capture, StepContext, TapTarget
 from codraft.server.compat import require_supported
 from codraft.server.device_ring import DeviceRing
 from codraft.server.draft_swap import DraftSwapper
-from codraft.server.engine_config import EngineConfig, check_endpoint, check_sample_rate
+from codraft.server.engine_config import EngineConfig
 from codraft.server.hooks import RunnerHooks, StepListener, StepRecord
-from codraft.server.publisher import PublisherStats, TapPublisher, sampled
 from codraft.server.sleep_copy import digest
 from codraft.server.tap_process import RemotePublisher, TapProcess
+from codraft.server.tap_switch import TapSwitch
 from codraft.server.transfer import TRANSFERRED, Transfers, draft_places
 from codraft.server.weights import (
     DraftSlot,
@@ -143,7 +142,7 @@ def request_aliases(req_id: str) -> set[str]:
     return keys
 
 
-class CodraftEngine(StepListener):
+class CodraftEngine(StepListener, AutoRollback):
     """Everything codraft keeps inside one worker (created on the first codraft RPC)."""
 
     def __init__(self, worker: Any) -> None:
@@ -179,15 +178,13 @@ class CodraftEngine(StepListener):
         self.proposer_version = self.current.version
         self.pending_rollback: str | None = None
         self.swaps = self.rollbacks = self.auto_rollbacks = 0
-        self.versions_by_request: OrderedDict[str, int] = OrderedDict()
-        # tap
-        self.tap_enabled = self.cfg.tap_on
-        self.tap_mode = self.cfg.tap_mode if self.cfg.tap_mode != "off" else "full"
-        self.sample_rate = float(self.cfg.tap_sample_rate)
-        self.endpoint = self.cfg.tap_endpoint
-        self.publisher: TapPublisher | None = None
-        self.closed_totals = PublisherStats()
-        self.sampled_out = 0
+        self.versions_by_request = FinishedVersions(self.cfg.request_versions_max)
+        self.tap = TapSwitch(
+            self.cfg,
+            flush=lambda: self.capture.flush(),
+            drop=lambda: self.capture.drop_all(),
+            sender=self.is_sender,
+        )
         model_config = self.vllm_config.model_config
         wire = self.cfg.tap_dtype or {v: k for k, v in DTYPES.items()}.get(
             model_config.dtype, "bfloat16"
@@ -207,16 +204,18 @@ class CodraftEngine(StepListener):
                 dtype=DTYPES[wire],
                 max_model_len=int(model_config.max_model_len),
             ),
-            want=self._want,
-            emit=self._emit,
+            want=self.tap.want,
+            emit=self.tap.emit,
             draft_version=lambda: self.current.version,
             on_finished=self._finished,
             per_step=self._account,
             max_tokens=self.cfg.tap_max_tokens,
             assembler=functools.partial(TapProcess, ring=ring) if in_process else None,
         )
+        if isinstance(self.capture.assembler, TapProcess):  # it publishes from there
+            self.tap.make = functools.partial(RemotePublisher, self.capture.assembler)
         try:
-            self._apply_tap()
+            self.tap.apply()
         except SwapError as e:
             log.error("codraft: tap left off: %s", e)
         # Last, once nothing above can fail: a failed start must not leave hooks behind.
@@ -235,7 +234,7 @@ class CodraftEngine(StepListener):
             self.hooks.kind,
             self.current.version,
             list(taps),
-            "on" if self.tap_enabled else "off",
+            "on" if self.tap.enabled else "off",
         )
 
     def _check_engine(self) -> None:
@@ -269,7 +268,7 @@ class CodraftEngine(StepListener):
         if hooks is not None:
             hooks.uninstall()
         self.capture.flush()  # what was captured reaches the publisher, which then closes
-        self.close_publisher()
+        self.tap.close_publisher()
         self.capture.close()
 
     def _assembly(self) -> str:
@@ -284,12 +283,6 @@ class CodraftEngine(StepListener):
         "host copy" (assembled here)."""
         asm = self.capture.assembler
         return asm.rows_via if isinstance(asm, TapProcess) else "host copy"
-
-    def close_publisher(self) -> None:
-        if self.publisher is not None:
-            self.publisher.close()
-            self.closed_totals.add(self.publisher.totals())
-            self.publisher = None
 
     # ------------------------------------------------------------------ engine steps
     def before_step(self, scheduler_output: Any) -> StepContext:
@@ -329,19 +322,6 @@ class CodraftEngine(StepListener):
                 self.acceptance.observe(s.req_id, version, s.num_drafts, a)
         self.acceptance.record(version, drafts, draft_tokens, accepted)
 
-    def _check_rollback(self) -> None:
-        """The automatic-rollback rule (codraft.server.acceptance), over whole requests."""
-        if not self.cfg.auto_rollback or self.previous is None or self.pending_rollback:
-            return
-        rate = self.acceptance.request_rate(self.current.version)
-        if should_roll_back(rate, self.reference_rate, self.cfg.rollback_fraction):
-            self.pending_rollback = (
-                f"auto: draft v{self.current.version} accepts {rate:.3f} of its tokens over "
-                f"whole requests holding {self.cfg.rollback_window}+ verifications, below "
-                f"{self.cfg.rollback_fraction} x v{self.previous.version}'s "
-                f"{self.reference_rate:.3f}"
-            )
-
     def run_pending(self) -> None:
         # an automatic rollback waits for an open weight transfer (it would write the draft)
         if self.pending_rollback is not None and self.transfers.session is None:
@@ -350,50 +330,10 @@ class CodraftEngine(StepListener):
                 self.rollback(reason, auto=True)
 
     # ------------------------------------------------------------------ tap plumbing
-    def _want(self, req_id: str) -> str | None:
-        if not (self.is_sender and self.tap_enabled and self.publisher is not None):
-            return None
-        if not sampled(req_id, self.sample_rate):
-            self.sampled_out += 1
-            return None
-        return self.tap_mode
-
-    def _emit(self, msg: Any) -> None:
-        if self.publisher is not None:
-            self.publisher.put(msg)
-
     def _finished(self, req_id: str) -> None:
         self.acceptance.close(req_id)
         self._check_rollback()
-        version = self.current.version
-        for key in request_aliases(req_id):
-            self.versions_by_request[key] = max(version, self.versions_by_request.get(key, -1))
-            self.versions_by_request.move_to_end(key)
-        while len(self.versions_by_request) > self.cfg.request_versions_max:
-            self.versions_by_request.popitem(last=False)
-
-    def _apply_tap(self) -> None:
-        want = self.is_sender and self.tap_enabled and self.endpoint is not None
-        if self.publisher is not None and (not want or self.publisher.endpoint != self.endpoint):
-            # what was captured so far goes to the endpoint it was captured for
-            self.capture.flush()
-            self.close_publisher()
-        if want and self.publisher is None:
-            make = TapPublisher
-            if isinstance(self.capture.assembler, TapProcess):  # it publishes from there
-                make = functools.partial(RemotePublisher, self.capture.assembler)
-            try:
-                self.publisher = make(
-                    self.endpoint,
-                    queue_size=self.cfg.tap_queue_size,
-                    hwm=self.cfg.tap_hwm,
-                    linger_ms=self.cfg.tap_linger_ms,
-                )
-            except ValueError as e:
-                self.tap_enabled = False
-                raise SwapError(422, str(e)) from None
-        if not self.tap_enabled:
-            self.capture.drop_all()
+        self.versions_by_request.note(request_aliases(req_id), self.current.version)
 
     # ------------------------------------------------------------------ RPC bodies
     def draft_digest(self) -> dict[str, Any]:
@@ -410,17 +350,9 @@ class CodraftEngine(StepListener):
             "ok": True,
             "draft": draft,
             "policy": self.policy.info(),
-            "tap": self.tap_info(),
+            "tap": self.tap.info(),
             "transfer": self.transfers.info(),
             "vllm_version": self.vllm_version,
-        }
-
-    def tap_info(self) -> dict[str, Any]:
-        return {
-            "enabled": self.tap_enabled,
-            "mode": self.tap_mode,
-            "sample_rate": self.sample_rate,
-            "endpoint": self.endpoint,
         }
 
     @property
@@ -491,49 +423,18 @@ class CodraftEngine(StepListener):
     def set_tap(
         self, enabled: Any = None, mode: Any = None, sample_rate: Any = None, endpoint: Any = None
     ) -> dict[str, Any]:
-        if enabled is not None and not isinstance(enabled, bool):
-            raise SwapError(422, f"enabled must be true, false or null, got {enabled!r}")
-        if mode is not None and mode not in ("full", "ids", "off"):
-            raise SwapError(422, f"mode must be 'full', 'ids', 'off' or null, got {mode!r}")
-        try:
-            rate = check_sample_rate(sample_rate) if sample_rate is not None else self.sample_rate
-            new_endpoint = check_endpoint(endpoint) if endpoint is not None else self.endpoint
-        except ValueError as e:
-            raise SwapError(422, str(e)) from None
-        on = self.tap_enabled if enabled is None else enabled
-        if mode == "off":
-            on = False
-        if on and new_endpoint is None:
-            raise SwapError(422, "cannot enable the tap without an endpoint: give endpoint too")
-        if mode in ("full", "ids"):
-            self.tap_mode = mode
-        self.tap_enabled, self.sample_rate, self.endpoint = on, rate, new_endpoint
-        self._apply_tap()
-        return {"ok": True, "tap": self.tap_info()}
+        return self.tap.set(enabled, mode, sample_rate, endpoint)
 
     def stats(self, flush: Any = False) -> dict[str, Any]:
         if not isinstance(flush, bool):
             raise SwapError(422, f"flush must be true or false, got {flush!r}")
         if flush:  # wait for the assembly of what the engine has captured so far
             self.capture.flush()
-            if self.publisher is not None:
-                self.publisher.flush()
-        totals = PublisherStats(**vars(self.closed_totals))
-        depth = 0
-        if self.publisher is not None:
-            totals.add(self.publisher.totals())
-            depth = self.publisher.stats()["queue_depth"]
-        c = self.capture.stats
         return {
             "ok": True,
             "tap": {
-                **vars(totals),
-                "queue_depth": depth,
-                "requests_captured": c.requests_captured,
-                "requests_incomplete": c.requests_incomplete,
-                "requests_inconsistent": c.requests_inconsistent,
-                "requests_sampled_out": self.sampled_out,
-                "steps_lost": c.steps_lost,
+                **self.tap.counters(flush),
+                **self.capture.stats.reported(),
                 "steps_skipped": self.hooks.copier.steps_skipped,
                 "device_bytes_held": self.hooks.copier.held_bytes,
                 "capture_queue_depth": self.capture.assembler.depth(),

@@ -26,11 +26,12 @@ SGLang's overlap scheduler (its EAGLE worker v2) and tensor parallel size 1 are 
 
 from __future__ import annotations
 
+import atexit
+import inspect
 import json
 import logging
 import os
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -38,14 +39,14 @@ from typing import Any
 import torch
 
 from codraft.draft.checkpoint import DraftCheckpointError, DraftContract
-from codraft.server.acceptance import Acceptance, should_roll_back
+from codraft.server.acceptance import Acceptance, AutoRollback, FinishedVersions
 from codraft.server.capture import Assembler, CaptureStats, TapTarget
-from codraft.server.engine_config import EngineConfig, check_endpoint, check_sample_rate
-from codraft.server.publisher import PublisherStats, TapPublisher, sampled
+from codraft.server.engine_config import EngineConfig
 from codraft.server.row_copy import RowCopier, StagedRows
 from codraft.server.sglang.capture import SGLangCapture, Step
 from codraft.server.sglang.draft_weights import DraftWeights
 from codraft.server.sglang.rpc import RpcServer
+from codraft.server.tap_switch import TapSwitch
 from codraft.server.weights import (
     DraftSlot,
     PolicySlot,
@@ -115,7 +116,7 @@ def split_final(runner: Any, output: Any) -> torch.Tensor | None:
     return hs
 
 
-class SGLangEngine:
+class SGLangEngine(AutoRollback):
     """codraft's state in one SGLang scheduler process (module doc)."""
 
     def __init__(self, scheduler: Any, settings: Settings) -> None:
@@ -157,15 +158,8 @@ class SGLangEngine:
         self.swaps = self.rollbacks = self.auto_rollbacks = 0
         self.hook_errors = 0
         self.running: set[str] = set()
-        self.versions_by_request: OrderedDict[str, int] = OrderedDict()
-        # tap
-        self.tap_enabled = self.cfg.tap_on
-        self.tap_mode = self.cfg.tap_mode if self.cfg.tap_mode != "off" else "full"
-        self.sample_rate = float(self.cfg.tap_sample_rate)
-        self.endpoint = self.cfg.tap_endpoint
-        self.publisher: TapPublisher | None = None
-        self.closed_totals = PublisherStats()
-        self.sampled_out = 0
+        self.versions_by_request = FinishedVersions(self.cfg.request_versions_max)
+        self.tap = TapSwitch(self.cfg, flush=lambda: self.assembler.flush())
         runner = self.target_runner
         wire = DTYPES[self.cfg.tap_dtype] if self.cfg.tap_dtype else runner.dtype
         self.stats_ = CaptureStats()
@@ -184,22 +178,24 @@ class SGLangEngine:
             max_model_len=int(getattr(runner.model_config, "context_len", 1 << 30)),
         )
         self.assembler = Assembler(
-            self.target, self._emit, lambda: self.current.version, self.cfg.tap_max_tokens,
+            self.target, self.tap.emit, lambda: self.current.version, self.cfg.tap_max_tokens,
             self.stats_,
         )  # fmt: skip
         self.capture = SGLangCapture(
-            self.assembler, want=self._want, policy_version=lambda: self.policy.version
+            self.assembler, want=self.tap.want, policy_version=lambda: self.policy.version
         )
         device = torch.device(runner.device, runner.gpu_id) if runner.device == "cuda" else "cpu"
         self.copier = RowCopier(device, wire, self.cfg.tap_device_mb << 20)
         self._batch: Any = None
         self._pending: _Pending | None = None
         self.steps = 0
-        self._apply_tap()
+        self.tap.apply()
         self.rpc = RpcServer(settings.control, self.handle)
+        self.closed = False
+        atexit.register(self.close)  # what was captured reaches the learner at a clean exit
         log.info(
             "codraft: SGLang engine ready (draft v%d, taps %s, tap %s, control %s)",
-            self.current.version, list(self.taps), "on" if self.tap_enabled else "off",
+            self.current.version, list(self.taps), "on" if self.tap.enabled else "off",
             settings.control,
         )  # fmt: skip
 
@@ -279,16 +275,20 @@ class SGLangEngine:
     def on_result(self, batch: Any, result: Any) -> None:
         """The scheduler processed a step's result (accepted lengths on the host)."""
         pending = getattr(result, "_codraft_step", None)
-        try:
-            if pending is not None:
-                result._codraft_step = None
+        if pending is not None:
+            result._codraft_step = None
+            try:
                 self._account(pending, result)
-            for req in batch.reqs:
-                if req.rid in self.running and req.finished():
+            except Exception:  # those requests go out incomplete (their rows are missing)
+                self.hook_errors += 1
+                log.exception("codraft: processing a step's capture failed")
+        for req in batch.reqs:
+            if req.rid in self.running and req.finished():
+                try:
                     self._finished(req)
-        except Exception:
-            self.hook_errors += 1
-            log.exception("codraft: processing a step's capture failed")
+                except Exception:
+                    self.hook_errors += 1
+                    log.exception("codraft: finishing request %s failed", req.rid)
         self._check_rollback()
 
     def _account(self, p: _Pending, result: Any) -> None:
@@ -315,20 +315,7 @@ class SGLangEngine:
         self.running.discard(rid)
         self.capture.finish(rid, list(req.output_ids))
         self.acceptance.close(rid)
-        self.versions_by_request[rid] = self.current.version
-        while len(self.versions_by_request) > self.cfg.request_versions_max:
-            self.versions_by_request.popitem(last=False)
-
-    def _check_rollback(self) -> None:
-        if not self.cfg.auto_rollback or self.previous is None or self.pending_rollback:
-            return
-        rate = self.acceptance.request_rate(self.current.version)
-        if should_roll_back(rate, self.reference_rate, self.cfg.rollback_fraction):
-            self.pending_rollback = (
-                f"auto: draft v{self.current.version} accepts {rate:.3f} of its tokens over "
-                f"whole requests, below {self.cfg.rollback_fraction} x "
-                f"v{self.previous.version}'s {self.reference_rate:.3f}"
-            )
+        self.versions_by_request.note([rid], self.current.version)
 
     def poll(self) -> None:
         """Between batches: a pending automatic rollback, then codraft's control calls."""
@@ -338,45 +325,12 @@ class SGLangEngine:
                 self.rollback(reason, auto=True)
         self.rpc.poll()
 
-    # ------------------------------------------------------------------ tap plumbing
-    def _want(self, rid: str) -> str | None:
-        if not (self.tap_enabled and self.publisher is not None):
-            return None
-        if not sampled(rid, self.sample_rate):
-            self.sampled_out += 1
-            return None
-        return self.tap_mode
-
-    def _emit(self, msg: Any) -> None:
-        if self.publisher is not None:
-            self.publisher.put(msg)
-
-    def _apply_tap(self) -> None:
-        want = self.tap_enabled and self.endpoint is not None
-        if self.publisher is not None and (not want or self.publisher.endpoint != self.endpoint):
-            self.assembler.flush()
-            self.close_publisher()
-        if want and self.publisher is None:
-            try:
-                self.publisher = TapPublisher(
-                    self.endpoint,
-                    queue_size=self.cfg.tap_queue_size,
-                    hwm=self.cfg.tap_hwm,
-                    linger_ms=self.cfg.tap_linger_ms,
-                )
-            except ValueError as e:
-                self.tap_enabled = False
-                raise SwapError(422, str(e)) from None
-
-    def close_publisher(self) -> None:
-        if self.publisher is not None:
-            self.publisher.close()
-            self.closed_totals.add(self.publisher.totals())
-            self.publisher = None
-
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         self.assembler.flush()
-        self.close_publisher()
+        self.tap.close_publisher()
         self.assembler.close()
         self.rpc.close()
 
@@ -388,11 +342,13 @@ class SGLangEngine:
                     "error": f"{method} is not offered by codraft's SGLang engine; it offers "
                              f"{sorted(self.CALLS)}"}  # fmt: skip
         try:
+            inspect.signature(fn).bind(self, **kwargs)
+        except TypeError as e:  # unexpected or missing arguments
+            return {"ok": False, "status": 422, "error": f"{method}: {e}"}
+        try:
             return fn(self, **kwargs)
         except SwapError as e:
             return {"ok": False, "status": e.status, "error": str(e)}
-        except TypeError as e:  # unexpected or missing arguments
-            return {"ok": False, "status": 422, "error": f"{method}: {e}"}
 
     def info(self) -> dict:
         return {
@@ -403,13 +359,9 @@ class SGLangEngine:
                 "highest_version": self.highest,
             },
             "policy": self.policy.info(),
-            "tap": self.tap_info(),
+            "tap": self.tap.info(),
             "engine": "sglang",
         }
-
-    def tap_info(self) -> dict:
-        return {"enabled": self.tap_enabled, "mode": self.tap_mode,
-                "sample_rate": self.sample_rate, "endpoint": self.endpoint}  # fmt: skip
 
     def _read(self, path: Any, version: Any, sha256: Any) -> tuple[Any, Any, dict, int, float]:
         """Read and check a checkpoint against the serving draft's contract (the vLLM engine's
@@ -524,49 +476,18 @@ class SGLangEngine:
 
     def set_tap(self, enabled: Any = None, mode: Any = None, sample_rate: Any = None,
                 endpoint: Any = None) -> dict:  # fmt: skip
-        if enabled is not None and not isinstance(enabled, bool):
-            raise SwapError(422, f"enabled must be true, false or null, got {enabled!r}")
-        if mode is not None and mode not in ("full", "ids", "off"):
-            raise SwapError(422, f"mode must be 'full', 'ids', 'off' or null, got {mode!r}")
-        try:
-            rate = check_sample_rate(sample_rate) if sample_rate is not None else self.sample_rate
-            new_endpoint = check_endpoint(endpoint) if endpoint is not None else self.endpoint
-        except ValueError as e:
-            raise SwapError(422, str(e)) from None
-        on = self.tap_enabled if enabled is None else enabled
-        if mode == "off":
-            on = False
-        if on and new_endpoint is None:
-            raise SwapError(422, "cannot enable the tap without an endpoint: give endpoint too")
-        if mode in ("full", "ids"):
-            self.tap_mode = mode
-        self.tap_enabled, self.sample_rate, self.endpoint = on, rate, new_endpoint
-        self._apply_tap()
-        return {"ok": True, "tap": self.tap_info()}
+        return self.tap.set(enabled, mode, sample_rate, endpoint)
 
     def stats(self, flush: Any = False) -> dict:
         if not isinstance(flush, bool):
             raise SwapError(422, f"flush must be true or false, got {flush!r}")
         if flush:
             self.assembler.flush()
-            if self.publisher is not None:
-                self.publisher.flush()
-        totals = PublisherStats(**vars(self.closed_totals))
-        depth = 0
-        if self.publisher is not None:
-            totals.add(self.publisher.totals())
-            depth = self.publisher.stats()["queue_depth"]
-        c = self.stats_
         return {
             "ok": True,
             "tap": {
-                **vars(totals),
-                "queue_depth": depth,
-                "requests_captured": c.requests_captured,
-                "requests_incomplete": c.requests_incomplete,
-                "requests_inconsistent": c.requests_inconsistent,
-                "requests_sampled_out": self.sampled_out,
-                "steps_lost": c.steps_lost,
+                **self.tap.counters(flush),
+                **self.stats_.reported(),
                 "steps_skipped": self.copier.steps_skipped,
                 "device_bytes_held": self.copier.held_bytes,
                 "capture_queue_depth": self.assembler.depth(),
