@@ -52,11 +52,18 @@ class DraftModel(torch.nn.Module):
             self.register_parameter(key, torch.nn.Parameter(t.clone(), requires_grad=False))
         self.embed = embed  # the target's, shared (SGLang's set_embed)
 
+    skip: frozenset[str] = frozenset()  # names this loader does not know (SGLang skips them)
+
     def load_weights(self, weights) -> None:
         for name, t in weights:
-            if name in ("d2t", "t2d"):
+            if name in ("d2t", "t2d") or name in self.skip:
                 continue
-            getattr(self, self.names[name]).data.copy_(t)
+            param = getattr(self, self.names[name])
+            getattr(param, "weight_loader", _default_loader)(param, t)
+
+
+def _default_loader(param: torch.Tensor, w: torch.Tensor) -> None:
+    param.data.copy_(w)
 
 
 class Req:
@@ -241,6 +248,14 @@ def test_swap_and_rollback_write_the_draft_and_refuse_what_does_not_fit(setup) -
     for name, key in s.model.names.items():
         assert torch.equal(getattr(s.model, key), new[name]), name
     assert e.handle("codraft_bogus", {})["status"] == 501
+    # a name SGLang's loader would skip (its mapping changed): refused, nothing half-written
+    s.model.skip = frozenset({"norm.weight"})
+    v3 = write_new_draft(s.tmp / "v3", s.target, draft_vocab_size=DV, version=3, seed=3)
+    half = e.handle("codraft_swap_draft", {"path": str(v3), "version": 3})
+    assert half["status"] == 500 and "norm__weight" in half["error"], half
+    s.model.skip = frozenset()
+    for name, key in s.model.names.items():
+        assert torch.equal(getattr(s.model, key), new[name]), name
     back = e.handle("codraft_rollback_draft", {})
     assert back["ok"] and back["draft"]["version"] == 0 and back["rolled_back_from"] == 1
     for n, p in s.model.named_parameters():

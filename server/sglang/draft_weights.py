@@ -17,7 +17,8 @@ MB to a few hundred MB): the rollback copy, and what is put back when a write fa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -76,8 +77,11 @@ class DraftWeights:
         saved = self.snapshot()
         _sync(self.params)  # nothing of a step still reads them while they change
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._recording() as written:
                 self.draft.load_weights(_written(tensors))
+            missing = sorted(set(self.params) - written)
+            if missing:  # SGLang's loader skips names it does not know, silently
+                raise ValueError(f"the checkpoint wrote none of the draft's {missing[:4]}")
             bad = [n for n, p in self.params.items() if not bool(torch.isfinite(p).all())]
             if bad:
                 raise ValueError(f"not finite after the write: {bad[:4]}")
@@ -87,6 +91,29 @@ class DraftWeights:
             raise SwapError(500, f"writing the draft failed ({e}); previous draft restored") from e
         self.saved = saved
 
+    @contextmanager
+    def _recording(self) -> Iterator[set[str]]:
+        """Which owned parameters a `load_weights` writes: SGLang's loaders call each
+        parameter's `weight_loader` (the default loader when it has none), wrapped here."""
+        written: set[str] = set()
+        before = {name: p.__dict__.get("weight_loader") for name, p in self.params.items()}
+        for name, p in self.params.items():
+            inner = before[name] or _copy
+
+            def loader(param: Any, w: torch.Tensor, *a: Any, _n=name, _f=inner) -> Any:
+                written.add(_n)
+                return _f(param, w, *a)
+
+            p.weight_loader = loader
+        try:
+            yield written
+        finally:
+            for name, p in self.params.items():
+                if before[name] is None:
+                    del p.weight_loader
+                else:
+                    p.weight_loader = before[name]
+
     def take_saved(self) -> dict[str, torch.Tensor]:
         """The copy `write` made of the draft it replaced (for a rollback)."""
         saved, self.saved = self.saved, None
@@ -95,6 +122,13 @@ class DraftWeights:
 
 def _written(tensors: dict[str, torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:
     return ((n, t) for n, t in tensors.items() if n not in NOT_WRITTEN)
+
+
+def _copy(param: torch.Tensor, w: torch.Tensor, *shard: Any) -> None:
+    """What SGLang's default weight loader does for an unsharded parameter."""
+    if shard or param.shape != w.shape:
+        raise ValueError(f"a {tuple(w.shape)} tensor for a {tuple(param.shape)} parameter")
+    param.data.copy_(w)
 
 
 def _sync(params: dict[str, torch.Tensor]) -> None:
