@@ -110,6 +110,12 @@ class RpcClient:
         """EngineControl's interface: one reply per rank (codraft's SGLang engine has one)."""
         return [await self.call(method, timeout or 30.0, **(kwargs or {}))]
 
+    async def check_health(self) -> None:
+        """Raises unless the scheduler answers (the engine's loop runs)."""
+        reply = await self.call("codraft_info", timeout=5.0)
+        if not reply.get("ok"):
+            raise RuntimeError(reply.get("error") or "codraft_info failed")
+
     def close(self) -> None:
         if self.sock is not None:
             self.sock.close(0)
