@@ -167,7 +167,11 @@ def init_distributed(cfg: ParallelConfig | None = None) -> tuple[ParallelMesh, t
 
 
 def shutdown() -> None:
+    """Every rank's clean end: the ranks leave together (a rank that tore its groups down while
+    rank 0 still wrote the last checkpoint was seen to abort at exit, SIGABRT in a gloo
+    thread, once in a loaded test run), then the groups go."""
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
     host_staged.disable()
 
