@@ -47,7 +47,14 @@ log = logging.getLogger(__name__)
 # Versions are JSON-safe integers: JSON Schema and JavaScript clients hold them exactly.
 MAX_VERSION = 2**53 - 1
 CONTROL_PATHS = frozenset(
-    {"/v1/draft", "/v1/draft/prepare", "/v1/draft/rollback", "/v1/policy", "/v1/tap"}
+    {
+        "/v1/draft",
+        "/v1/draft/prepare",
+        "/v1/draft/rollback",
+        "/v1/draft/digest",
+        "/v1/policy",
+        "/v1/tap",
+    }
 )
 
 

@@ -460,6 +460,8 @@ def test_codraft_serve_routes_reach_the_engine_over_its_control_socket(setup) ->
         assert httpx.post(f"{base}/v1/draft/rollback").status_code == 401
         assert client.rollback_draft().version == 0
         assert client.metrics()["codraft_draft_version"] == 0
+        digest = httpx.get(f"{base}/v1/draft/digest", headers={"Authorization": f"Bearer {token}"})
+        assert digest.status_code == 200 and digest.json()["version"] == 0, digest.text
         client.close()
     finally:
         server.should_exit = True
@@ -491,3 +493,39 @@ def test_on_a_gpu_the_engine_is_lossless_captures_exactly_and_swaps(tmp_path: Pa
     )  # fmt: skip
     report = json.loads((tmp_path / "sglang_engine_checks.json").read_text())
     assert r.returncode == 0, report.get("checks")
+
+
+def test_sglang_memory_release_keeps_the_draft_and_its_own_weight_routes_leave_it(
+    setup, monkeypatch
+) -> None:
+    """SGLang's release/resume of memory keeps the target's non-parameter state and nothing of
+    the draft's: codraft keeps the draft on the host and writes it back (here the release is
+    played by overwriting the draft's memory). SGLang's own target-weight routes become policy
+    versions, and its reloads of the speculative worker's draft leave codraft's draft alone."""
+    from codraft.server.sglang import plugin
+
+    s, e = setup, setup.engine
+    before = e.handle("codraft_draft_digest", {})
+    assert before["ok"] and before["tensors"] and not any("embed" in n for n in before["tensors"])
+    kept = {n: p.clone() for n, p in s.model.named_parameters()}
+    monkeypatch.setattr(plugin, "_engine", e)
+    original = lambda manager, req: None  # noqa: E731 (SGLang's release, played below)
+    plugin._release(original, None, SimpleNamespace(tags=["kv_cache"]))
+    assert e.sleep_copy is None  # the weights stay: nothing to keep
+    plugin._release(original, None, SimpleNamespace(tags=None))
+    with torch.no_grad():
+        for name, p in s.model.named_parameters():
+            if name != "embed":
+                p.fill_(float("nan"))  # memory mapped again with undefined contents
+    plugin._resume(None, None, SimpleNamespace(tags=["weights"]))
+    for name, p in s.model.named_parameters():
+        assert torch.equal(p, kept[name]), name
+    assert e.handle("codraft_draft_digest", {})["tensors"] == before["tensors"]
+    # SGLang's own routes
+    plugin._target_updated("tensor")(SimpleNamespace(success=True), None)
+    plugin._target_updated("disk")(SimpleNamespace(success=False), None)
+    assert e.info()["policy"]["version"] == 1 and e.info()["policy"]["path"] == "sglang:tensor"
+    assert plugin._draft_kept(lambda *a: (False, "loaded"), None, None)[0] is True
+    to_target = SimpleNamespace(target_worker=SimpleNamespace(
+        update_weights_from_tensor=lambda req: (True, "target")))  # fmt: skip
+    assert plugin._tensor_to_target(lambda *a: (True, "both"), to_target, None) == (True, "target")

@@ -30,6 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
+_WEIGHTS = "sglang.srt.managers.scheduler_components.weight_updater"
+
 # (module, class, method): the positional parameter names (after self) the hooks rely on
 SIGNATURES = {
     ("sglang.srt.layers.logits_processor", "LogitsProcessor", "forward"): (
@@ -40,6 +42,11 @@ SIGNATURES = {
         "batch",
     ),
     ("sglang.srt.managers.scheduler", "Scheduler", "process_batch_result"): ("batch", "result"),
+    (_WEIGHTS, "SchedulerWeightUpdaterManager", "release_memory_occupation"): ("recv_req",),
+    (_WEIGHTS, "SchedulerWeightUpdaterManager", "resume_memory_occupation"): ("recv_req",),
+    ("sglang.srt.speculative.eagle_worker_v2", "EAGLEWorkerV2", "update_weights_from_tensor"): (
+        "recv_req",
+    ),
 }  # fmt: skip
 
 # (module, class): attributes codraft reads, set on `self` in a method or declared in the body
@@ -69,6 +76,13 @@ ATTRIBUTES = {
     ("sglang.srt.model_executor.model_runner_components.weight_updater", "WeightUpdater"): (
         "update_weights_from_disk",
     ),
+    ("sglang.srt.managers.tp_worker", "TpModelWorker"): ("update_weights_from_tensor",),
+    ("sglang.srt.managers.io_struct", "ReleaseMemoryOccupationReqInput"): ("tags",),
+    ("sglang.srt.managers.io_struct", "ResumeMemoryOccupationReqInput"): ("tags",),
+    ("sglang.srt.managers.io_struct", "UpdateWeightFromDiskReqOutput"): ("success",),
+    ("sglang.srt.managers.io_struct", "UpdateWeightsFromTensorReqOutput"): ("success",),
+    ("sglang.srt.managers.io_struct", "UpdateWeightsFromDistributedReqOutput"): ("success",),
+    ("sglang.srt.managers.io_struct", "UpdateWeightsFromIPCReqOutput"): ("success",),
     ("sglang.srt.server_args", "ServerArgs"): (
         "model_path", "speculative_eagle_topk", "tp_size", "pp_size", "disable_radix_cache",
         "add_cli_args", "from_cli_args",

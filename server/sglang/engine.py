@@ -46,6 +46,7 @@ from codraft.server.row_copy import RowCopier, StagedRows
 from codraft.server.sglang.capture import SGLangCapture, Step
 from codraft.server.sglang.draft_weights import DraftWeights
 from codraft.server.sglang.rpc import RpcServer
+from codraft.server.sleep_copy import SleepCopy, digest, draft_tensors
 from codraft.server.tap_switch import TapSwitch
 from codraft.server.weights import (
     DraftSlot,
@@ -152,6 +153,7 @@ class SGLangEngine(AutoRollback):
         self.staged: dict | None = None  # a draft read and checked ahead of its swap
         self.staged_data: tuple | None = None
         self.ticket = 0
+        self.sleep_copy: SleepCopy | None = None  # the draft, while SGLang's weights are released
         self.acceptance = Acceptance(self.cfg.rollback_window)
         self.reference_rate: float | None = None
         self.pending_rollback: str | None = None
@@ -333,6 +335,37 @@ class SGLangEngine(AutoRollback):
         self.tap.close_publisher()
         self.assembler.close()
         self.rpc.close()
+
+    # ------------------------------------------------------------------ SGLang's weight routes
+    def draft_places(self) -> dict:
+        """Everything the draft reads that is not the target's (codraft.server.sleep_copy)."""
+        return draft_tensors(None, self.weights.draft, self.target_runner.model)
+
+    def before_release(self, tags: list[str] | None) -> None:
+        """SGLang's release_memory_occupation is about to run: SGLang keeps the target's
+        non-parameter state for the resume and nothing of the draft's, so codraft keeps the
+        draft (on the host) when the weights are among what is released (None: all)."""
+        if not tags or "weights" in tags:
+            self.sleep_copy = SleepCopy.take(self.draft_places())
+            log.info("codraft: draft kept on the host (%d bytes) while SGLang's weights are out",
+                     self.sleep_copy.nbytes())  # fmt: skip
+
+    def after_resume(self, tags: list[str] | None) -> None:
+        """SGLang resumed memory: the draft back where its weights are mapped again."""
+        if self.sleep_copy is not None and (not tags or "weights" in tags):
+            if self.sleep_copy.restore(["weights"]):  # what could not be put back is logged
+                self.hook_errors += 1
+            self.sleep_copy = None
+
+    def policy_changed(self, source: str) -> None:
+        """SGLang's own route `source` changed the target's weights (an RL trainer's push):
+        a new policy version, so tap messages and responses tell the weights apart."""
+        self.policy = PolicySlot(self.policy.version + 1, f"sglang:{source}", utc_now())
+        log.info("codraft: policy v%d (target weights through SGLang's %s)",
+                 self.policy.version, source)  # fmt: skip
+
+    def draft_digest(self) -> dict:
+        return {"ok": True, "version": self.current.version, "tensors": digest(self.draft_places())}
 
     # ------------------------------------------------------------------ control calls
     def handle(self, method: str, kwargs: dict) -> dict:
@@ -524,4 +557,5 @@ class SGLangEngine(AutoRollback):
         "codraft_set_tap": set_tap,
         "codraft_stats": stats,
         "codraft_request_versions": request_versions,
+        "codraft_draft_digest": draft_digest,
     }

@@ -18,7 +18,13 @@ codraft changes no other SGLang server. The hooks:
   and the step's capture attached to its result;
 * `Scheduler.__init__` (after): builds the engine; `Scheduler.process_batch_result` (after):
   the step's accepted lengths and finished requests; `Scheduler.process_input_requests`
-  (after): codraft's control calls, between batches.
+  (after): codraft's control calls, between batches;
+* SGLang's own weight routes (its scheduler's weight updater): `release_memory_occupation`
+  (around) and `resume_memory_occupation` (after) keep the draft across a release of the
+  weights; `update_weights_from_{disk,tensor,distributed,ipc}` (after) make each successful
+  target update a new policy version; the speculative worker's `update_weights_from_disk` /
+  `_ipc` and the EAGLE worker's `update_weights_from_tensor` (around) leave codraft's draft
+  alone (those routes would load the target's weights into it).
 """
 
 from __future__ import annotations
@@ -107,6 +113,45 @@ def _inputs(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
         _engine.poll()
 
 
+def _release(original: Any, manager: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    if _engine is not None:
+        _engine.before_release(getattr(req, "tags", None))
+    return original(manager, req, *args, **kwargs)
+
+
+def _resume(result: Any, manager: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+    if _engine is not None:
+        _engine.after_resume(getattr(req, "tags", None))
+
+
+def _target_updated(source: str) -> Any:
+    def hook(result: Any, manager: Any, *args: Any, **kwargs: Any) -> None:
+        if _engine is not None and getattr(result, "success", False):
+            _engine.policy_changed(source)
+
+    return hook
+
+
+def _draft_kept(original: Any, worker: Any, *args: Any, **kwargs: Any) -> Any:
+    """SGLang's reload of the speculative worker's draft from the target's folder or IPC
+    handles (its routes load the target's weights into the draft too): codraft's EAGLE-3 draft
+    comes through codraft's /v1/draft and is kept."""
+    if _engine is None:
+        return original(worker, *args, **kwargs)
+    return True, "the EAGLE-3 draft is codraft's (POST /v1/draft): kept"
+
+
+def _tensor_to_target(original: Any, worker: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """update_weights_from_tensor through the EAGLE worker writes the draft, then the target,
+    with the same named tensors: with codraft's draft the target alone gets them (as SGLang's
+    disable_draft_model=True does)."""
+    if _engine is None:
+        return original(worker, req, *args, **kwargs)
+    return worker.target_worker.update_weights_from_tensor(req)
+
+
+_WEIGHTS = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
+
 HOOKS = (
     ("sglang.srt.managers.scheduler.Scheduler.__init__", _scheduler_built, "AFTER"),
     ("sglang.srt.model_executor.model_runner.ModelRunner.load_model", _after_load, "AFTER"),
@@ -119,6 +164,27 @@ HOOKS = (
     ),
     ("sglang.srt.managers.scheduler.Scheduler.process_batch_result", _batch_result, "AFTER"),
     ("sglang.srt.managers.scheduler.Scheduler.process_input_requests", _inputs, "AFTER"),
+    (f"{_WEIGHTS}.release_memory_occupation", _release, "AROUND"),
+    (f"{_WEIGHTS}.resume_memory_occupation", _resume, "AFTER"),
+    *(
+        (f"{_WEIGHTS}.update_weights_from_{s}", _target_updated(s), "AFTER")
+        for s in ("disk", "tensor", "distributed", "ipc")
+    ),  # fmt: skip
+    (
+        "sglang.srt.speculative.base_spec_worker.BaseSpecWorker.update_weights_from_disk",
+        _draft_kept,
+        "AROUND",
+    ),  # fmt: skip
+    (
+        "sglang.srt.speculative.base_spec_worker.BaseSpecWorker.update_weights_from_ipc",
+        _draft_kept,
+        "AROUND",
+    ),  # fmt: skip
+    (
+        "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.update_weights_from_tensor",
+        _tensor_to_target,
+        "AROUND",
+    ),  # fmt: skip
 )
 
 
