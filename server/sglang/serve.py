@@ -92,16 +92,16 @@ def unsupported(cfg: ServeConfig) -> list[str]:
 
 def main(cfg: ServeConfig) -> int:
     """Run SGLang's server with codraft until it stops."""
+    import importlib.util
+
     from codraft.server.committed import choose_draft, record_path
     from codraft.server.engine_config import ADDITIONAL_CONFIG_KEY, EngineConfig
     from codraft.server.serve_config import engine_settings, resolve_draft, resolve_model
     from codraft.server.sglang.engine import ENV, Settings
 
-    try:
-        import sglang  # noqa: F401
-    except ImportError as e:
+    if importlib.util.find_spec("sglang") is None:  # not imported yet: its plugins load later
         print(
-            f"codraft serve --engine sglang: SGLang is not importable here ({e}); it runs on GPU "
+            "codraft serve --engine sglang: SGLang is not installed here; it runs on GPU "
             "machines (scripts/gpu_sglang/install.sh, docs/sglang.md)",
             file=sys.stderr,
         )
