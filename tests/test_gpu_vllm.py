@@ -421,10 +421,15 @@ def test_the_sglang_sweep_counts_acceptance_per_batch_and_catches_a_differing_ou
     plain = {"batches": [smoke.batch_row([out([1, 2])], 1.0), smoke.batch_row([out([3, 4])], 1.0)]}
     spec = {"batches": [smoke.batch_row([out([1, 2], 1, 1)], 0.5),
                         smoke.batch_row([out([3, 9], 1, 1)], 0.5)]}  # fmt: skip
-    report, lossless = smoke.compare_arms({"plain": plain, "eagle3": spec, "dflash": None})
-    assert lossless == {"eagle3": False}  # the second batch's output differs
+    ours = {"batches": [smoke.batch_row([out([1, 2], 1, 1)], 0.5),
+                        smoke.batch_row([out([3, 4], 1, 1)], 0.5)]}  # fmt: skip
+    arms = {"plain": plain, "eagle3": spec, "eagle3-codraft": ours, "dflash": None}
+    report, lossless = smoke.compare_arms(arms)
+    assert lossless == {"eagle3": False, "eagle3-codraft": True}  # eagle3's 2nd batch differs
     assert [r["identical_outputs"] for r in report["eagle3"]] == ["1/1", "0/1"]
     assert report["eagle3"][0]["speedup"] == 2.0 and "dflash" not in report
+    # codraft's arm against the stock one it runs inside
+    assert [r["identical_to_stock"] for r in report["eagle3-codraft"]] == ["1/1", "0/1"]
 
 
 def test_sglang_kit_scripts_parse() -> None:

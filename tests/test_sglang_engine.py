@@ -25,6 +25,7 @@ from codraft.server.engine_config import EngineConfig
 from codraft.server.sglang.engine import ENV, Settings, SGLangEngine, split_final
 from codraft.server.sglang.plugin import _with_final
 from codraft.server.sglang.rpc import RpcClient
+from codraft.server.weights import SwapError
 from codraft.tap.message import decode
 
 DV = 64  # draft vocabulary
@@ -34,6 +35,10 @@ class EAGLEWorkerV2:  # the name codraft checks: SGLang's EAGLE worker v2
     def __init__(self, target_runner, draft_model):
         self.target_worker = SimpleNamespace(model_runner=target_runner)
         self.draft_worker = SimpleNamespace(draft_runner=SimpleNamespace(model=draft_model))
+
+
+class DFlashWorkerV2:  # SGLang's DFlash worker, by name
+    pass
 
 
 class DraftModel(torch.nn.Module):
@@ -306,7 +311,13 @@ def test_serve_gives_sglang_its_view_of_the_draft_and_says_what_it_cannot_do(
 ) -> None:
     from codraft.draft.config import DraftConfig
     from codraft.server.serve_config import ServeConfig
-    from codraft.server.sglang.serve import main, sglang_argv, sglang_view, unsupported
+    from codraft.server.sglang.serve import (
+        main,
+        sglang_argv,
+        sglang_view,
+        speculative_argv,
+        unsupported,
+    )
 
     draft = write_new_draft(tmp_path / "d", tiny_llama_dir, draft_vocab_size=DV)
     view = sglang_view(draft, tmp_path / "work")
@@ -317,7 +328,9 @@ def test_serve_gives_sglang_its_view_of_the_draft_and_says_what_it_cannot_do(
     ]  # SGLang adds 1 to every id it reads
     assert (view / "model.safetensors").resolve() == (draft / "model.safetensors").resolve()
     cfg = ServeConfig(engine="sglang", tap_endpoint="tcp://127.0.0.1:5557", vllm_args=["--x"])
-    argv = sglang_argv(cfg, tiny_llama_dir, view)
+    spec = speculative_argv(draft, tmp_path / "work", 3)
+    assert spec[spec.index("--speculative-draft-model-path") + 1] == str(view)
+    argv = sglang_argv(cfg, tiny_llama_dir, spec)
     assert argv[-2:] == ["--disable-radix-cache", "--x"]  # the tap needs every row computed
     assert (
         "--speculative-eagle-topk" in argv
@@ -327,6 +340,17 @@ def test_serve_gives_sglang_its_view_of_the_draft_and_says_what_it_cannot_do(
         len(unsupported(ServeConfig(engine="sglang", control_port=9000, weight_transfer="ipc")))
         == 2
     )
+    # a DFlash draft: SGLang's DFlash reads codraft's folder as it is, a block per verification
+    block = write_new_draft(tmp_path / "b", tiny_llama_dir, drafter="dflash", block_size=4)
+    assert speculative_argv(block, tmp_path / "work", 3) == [
+        "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(block),
+        "--speculative-num-draft-tokens", "4",
+    ]  # fmt: skip
+    assert SGLangEngine._check(DFlashWorkerV2(), SimpleNamespace()) == "dflash"
+    with pytest.raises(SwapError, match="EAGLE-3 or DFlash"):
+        SGLangEngine._check(SimpleNamespace(), SimpleNamespace())
+    with pytest.raises(SwapError, match="topk=1"):
+        SGLangEngine._check(EAGLEWorkerV2(None, None), SimpleNamespace(speculative_eagle_topk=4))
     with pytest.raises(ValueError, match="engine must be one of"):
         ServeConfig(engine="trt")
     # on this machine there is no SGLang: a clear refusal, no traceback

@@ -41,6 +41,9 @@ SIGNATURES = {
     ("sglang.srt.speculative.eagle_worker_v2", "EAGLEWorkerV2", "forward_batch_generation"): (
         "batch",
     ),
+    ("sglang.srt.speculative.dflash_worker_v2", "DFlashWorkerV2", "forward_batch_generation"): (
+        "batch",
+    ),
     ("sglang.srt.managers.scheduler", "Scheduler", "process_batch_result"): ("batch", "result"),
     (_WEIGHTS, "SchedulerWeightUpdaterManager", "release_memory_occupation"): ("recv_req",),
     (_WEIGHTS, "SchedulerWeightUpdaterManager", "resume_memory_occupation"): ("recv_req",),
@@ -68,6 +71,9 @@ ATTRIBUTES = {
         "target_worker", "draft_worker",
     ),
     ("sglang.srt.speculative.eagle_worker_v2", "EagleDraftWorker"): ("draft_runner",),
+    ("sglang.srt.speculative.dflash_worker_v2", "DFlashWorkerV2"): (
+        "target_worker", "draft_model",
+    ),
     ("sglang.srt.managers.scheduler", "Scheduler"): (
         "draft_worker", "server_args", "process_input_requests", "is_fully_idle", "flush_cache",
     ),

@@ -178,11 +178,11 @@ def compare_arms(results: dict[str, dict | None]) -> tuple[dict[str, Any], dict[
                 row["identical_outputs"] = f"{sum(same)}/{len(same)}"
                 row["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
                 lossless[name] = lossless.get(name, True) and all(same)
-            stock = results.get("eagle3")
-            if name == "eagle3-codraft" and stock is not None:  # codraft's hooks change nothing
+            stock = results.get(name.removesuffix("-codraft"))
+            if name.endswith("-codraft") and stock is not None:  # codraft's hooks change nothing
                 other = stock["batches"][len(rows)]
                 same = [a == b for a, b in zip(other["token_ids"], r["token_ids"], strict=True)]
-                row["identical_to_eagle3"] = f"{sum(same)}/{len(same)}"
+                row["identical_to_stock"] = f"{sum(same)}/{len(same)}"
             rows.append(row)
         report[name] = rows
     return report, lossless
@@ -228,6 +228,11 @@ def run(args: argparse.Namespace) -> int:
                 "speculative_draft_model_path": str(Path(args.dflash).resolve()),
                 "speculative_num_draft_tokens": block,
             }  # fmt: skip
+            if args.codraft:  # the same with codraft's engine inside
+                settings = Settings(str(Path(args.dflash).resolve()), control,
+                                    EngineConfig(tap_endpoint=sink.endpoint))  # fmt: skip
+                arms["dflash-codraft"] = {**arms["dflash"], "disable_radix_cache": True}
+                envs["dflash-codraft"] = {ENV: settings.to_env()}
         batches = [int(b) for b in args.batches.split(",")]
         results = {n: arm(stages, n, kw, prompts, args.max_tokens, batches, envs.get(n))
                    for n, kw in arms.items()}  # fmt: skip

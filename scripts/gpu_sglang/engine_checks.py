@@ -126,7 +126,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--work", default="runs/gpu_work/sgl")
     p.add_argument("--out", required=True)
-    p.add_argument("--trained", default=None, help="a trained codraft EAGLE-3 checkpoint")
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="the draft served at start (default: "
+        "codraft serve's untrained EAGLE-3 one; a DFlash folder runs SGLang's DFlash)",
+    )
+    p.add_argument("--trained", default=None, help="a newer checkpoint of the same kind")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--capture-checks", type=int, default=4, help="requests checked vs prefill")
@@ -180,7 +186,8 @@ def main() -> int:
              "--tap-endpoint", f"tcp://127.0.0.1:{tap}", "--work-dir", str(work / "serve"),
              "--no-resume-draft", "--mem-fraction-static", str(args.mem_fraction),
              "--attention-backend", args.attention_backend, "--disable-radix-cache",
-             "--log-level", "warning"],
+             "--log-level", "warning",
+             *(["--draft", str(Path(args.draft).resolve())] if args.draft else [])],
             stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
         )  # fmt: skip
         base = f"http://127.0.0.1:{port}"
@@ -241,7 +248,10 @@ def main() -> int:
         r = http.post("/v1/completions", json={"model": model, "prompt": "Hello",
                                                 "max_tokens": 8, "temperature": 0})  # fmt: skip
         report["version_header"] = r.headers.get("x-codraft-draft-version")
-        checks["version_header"] = r.status_code == 200 and report["version_header"] == "0"
+        start_version = str(control.draft().version)
+        checks["version_header"] = (
+            r.status_code == 200 and report["version_header"] == start_version
+        )
         if args.trained:
             trained = Path(args.trained).resolve()
             meta = json.loads((trained / "codraft.json").read_text())
@@ -266,7 +276,7 @@ def main() -> int:
                     v0["acceptance_length"] or 0
                 ) + 0.05 and vt["draft"] == int(meta["version"])
                 checks["rollback_restores_acceptance"] = (
-                    vb["draft"] == 0
+                    vb["draft"] == v0["draft"]
                     and abs((vb["acceptance_length"] or 0) - (v0["acceptance_length"] or 0)) < 0.02
                 )
         auth = {"Authorization": f"Bearer {token}"}

@@ -20,8 +20,9 @@ draft checkpoint SGLang was started with under "draft", codraft's control endpoi
 * `poll()`: codraft's control calls, answered between batches (codraft.server.sglang.rpc).
 
 The tap messages, their assembly and chunking, the acceptance bookkeeping and the automatic
-rollback rule are the ones of codraft's vLLM engine. EAGLE-3 with a chain of drafts (topk 1),
-SGLang's overlap scheduler (its EAGLE worker v2) and tensor parallel size 1 are required.
+rollback rule are the ones of codraft's vLLM engine. EAGLE-3 with a chain of drafts (topk 1)
+or DFlash (a block of drafts: the verification's rows are the block, SGLang's committed length
+of them final), on SGLang's v2 workers, and tensor parallel size 1 are required.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ from codraft.tap.message import DTYPES
 log = logging.getLogger(__name__)
 
 ENV = "CODRAFT_SGLANG"
+# SGLang's speculative workers codraft's engine runs in, and the draft kind of each (SGLang's
+# EAGLE worker v2 also drives the non-overlap scheduler)
+WORKERS = {"EAGLEWorkerV2": "eagle3", "DFlashWorkerV2": "dflash"}
 
 
 @dataclass
@@ -125,15 +129,18 @@ class SGLangEngine(AutoRollback):
         self.cfg = replace(settings.codraft, tap_assembly="thread")
         worker = scheduler.draft_worker
         args = scheduler.server_args
-        self._check(worker, args)
+        kind = self._check(worker, args)
         self.target_runner = worker.target_worker.model_runner
-        draft_runner = worker.draft_worker.draft_runner
+        # DFlash keeps its draft model on the worker, EAGLE-3 in its draft worker's runner
+        draft_model = (
+            worker.draft_model if kind == "dflash" else worker.draft_worker.draft_runner.model
+        )
         hf = self.target_runner.model_config.hf_config
         self.hidden = int(hf.hidden_size)
         initial = read_initial_draft(settings.draft)
-        if initial.config.kind != "eagle3":
-            raise SwapError(503, f"codraft's SGLang engine serves EAGLE-3 drafts, got "
-                                 f"{initial.config.kind} ({settings.draft})")  # fmt: skip
+        if initial.config.kind != kind:
+            raise SwapError(503, f"SGLang runs {type(worker).__name__} ({kind}), the draft "
+                                 f"{settings.draft} is a {initial.config.kind} draft")  # fmt: skip
         self.taps = tuple(initial.config.tap_layers)
         captured = list(getattr(self.target_runner.model.model, "layers_to_capture", []))
         if captured != list(self.taps):  # SGLang's layer i+1 is codraft's tap i+1 (docs)
@@ -144,7 +151,7 @@ class SGLangEngine(AutoRollback):
                 "(DraftConfig.to_hf_dict(engine='sglang'))",
             )
         self.weights = DraftWeights(
-            draft_runner.model, self.target_runner.model, initial.weights.get("d2t")
+            draft_model, self.target_runner.model, initial.weights.get("d2t")
         )
         self.current = replace(initial, weights={})
         self.previous: DraftSlot | None = None
@@ -202,23 +209,26 @@ class SGLangEngine(AutoRollback):
         )  # fmt: skip
 
     @staticmethod
-    def _check(worker: Any, args: Any) -> None:
+    def _check(worker: Any, args: Any) -> str:
+        """The draft kind SGLang's speculative worker runs (refusing what codraft cannot)."""
         name = type(worker).__name__ if worker is not None else None
-        if name != "EAGLEWorkerV2":
+        kind = WORKERS.get(name)
+        if kind is None:
             raise SwapError(
                 503,
-                f"codraft's SGLang engine needs EAGLE-3 on SGLang's EAGLE worker v2 (the overlap "
-                f"scheduler), found {name}: start with speculative_algorithm='EAGLE3' and "
-                "without disable_overlap_schedule",
+                f"codraft's SGLang engine needs EAGLE-3 or DFlash on SGLang's v2 workers "
+                f"({', '.join(WORKERS)}), found {name}: start with speculative_algorithm "
+                "'EAGLE3' or 'DFLASH'",
             )
-        if int(getattr(args, "speculative_eagle_topk", 1) or 1) != 1:
+        if kind == "eagle3" and int(getattr(args, "speculative_eagle_topk", 1) or 1) != 1:
             raise SwapError(503, "codraft captures chains of drafts: speculative_eagle_topk=1")
         if int(getattr(args, "tp_size", 1)) != 1 or int(getattr(args, "pp_size", 1)) != 1:
             raise SwapError(503, "codraft's SGLang engine runs with tp_size=1 and pp_size=1")
+        return kind
 
     # ------------------------------------------------------------------ the step
     def on_batch(self, batch: Any) -> None:
-        """The EAGLE worker's step begins (its target forward follows)."""
+        """The speculative worker's step begins (its target forward follows)."""
         self._batch = batch
         self._pending = None
 
@@ -228,7 +238,7 @@ class SGLangEngine(AutoRollback):
         captured requests' rows."""
         batch = self._batch
         if batch is None or hidden.shape[-1] != (len(self.taps) + 1) * self.hidden:
-            return  # a forward outside the EAGLE worker's step (warm-up)
+            return  # a forward outside the speculative worker's step (warm-up)
         try:
             self._pending = self._stage(batch, forward_batch, hidden, len(self.taps) * self.hidden)
         except Exception:
@@ -242,7 +252,7 @@ class SGLangEngine(AutoRollback):
             if r.rid not in self.running and not r.finished():
                 self.running.add(r.rid)
                 self.capture.begin(r.rid, list(r.origin_input_ids))
-        # as SGLang's EAGLE worker tells a prefill from a verification
+        # as SGLang's speculative workers tell a prefill from a verification
         extend = bool(batch.forward_mode.is_extend() or getattr(batch, "is_extend_in_batch", 0))
         rows = int(hs.shape[0])
         if extend:
@@ -265,7 +275,7 @@ class SGLangEngine(AutoRollback):
         return _Pending(rids, counts, extend, staged, gathered, self.current.version)
 
     def end_batch(self, result: Any) -> None:
-        """The EAGLE worker's step returned `result`: the step's capture travels with it."""
+        """The worker's step returned `result`: the step's capture travels with it."""
         if self._pending is not None and result is not None:
             try:
                 result._codraft_step = self._pending

@@ -14,8 +14,9 @@ codraft changes no other SGLang server. The hooks:
   `load_model`);
 * `ModelRunner.forward` (around, target only): the engine takes that state off before the
   draft reads the hidden states, and gathers the captured rows;
-* `EAGLEWorkerV2.forward_batch_generation` (around): which batch the target forward belongs to,
-  and the step's capture attached to its result;
+* `EAGLEWorkerV2.forward_batch_generation` and `DFlashWorkerV2.forward_batch_generation`
+  (around): which batch the target forward belongs to, and the step's capture attached to its
+  result;
 * `Scheduler.__init__` (after): builds the engine; `Scheduler.process_batch_result` (after):
   the step's accepted lengths and finished requests; `Scheduler.process_input_requests`
   (after): codraft's control calls, between batches;
@@ -159,6 +160,11 @@ HOOKS = (
     ("sglang.srt.model_executor.model_runner.ModelRunner.forward", _runner_forward, "AROUND"),
     (
         "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation",
+        _generation,
+        "AROUND",
+    ),
+    (
+        "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2.forward_batch_generation",
         _generation,
         "AROUND",
     ),

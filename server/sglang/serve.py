@@ -3,9 +3,9 @@
 SGLang's HTTP server (`sglang.srt.entrypoints.http_server`, its OpenAI routes, streaming,
 /generate, ...) runs as `python -m sglang.launch_server` runs it, with:
 
-* EAGLE-3 speculative decoding with codraft's draft (a chain: topk 1), started from an SGLang
+* speculative decoding with codraft's draft: EAGLE-3 (a chain: topk 1), started from an SGLang
   view of the codraft checkpoint (`sglang_view`: its config with SGLang's tap numbering, the
-  same weights file);
+  same weights file), or DFlash (SGLang reads codraft's DFlash folder as it is);
 * codraft's engine in the scheduler process (codraft.server.sglang.plugin, enabled through the
   environment), reached over codraft's own control socket (codraft.server.sglang.rpc);
 * codraft's control routes (/v1/draft, /v1/draft/rollback, /v1/tap, GET /v1/draft), /ready and
@@ -13,8 +13,8 @@ SGLang's HTTP server (`sglang.srt.entrypoints.http_server`, its OpenAI routes, s
   X-Codraft-Policy-Version headers on /v1/completions and /v1/chat/completions.
 
 What the vLLM engine has and this one does not yet: a separate control port, the RL
-weight-sync routes, policy reload, draft preparation ahead of a swap (`POST /v1/draft` reads,
-checks and installs in one call, between two batches), DFlash drafts. Arguments `codraft serve`
+weight-sync routes, draft preparation in the background (`POST /v1/draft/prepare` reads and
+checks between two batches; a draft is small). Arguments `codraft serve`
 does not know go to SGLang's own parser (e.g. `--mem-fraction-static 0.5`); SGLang's admin
 routes (/update_weights_from_disk, /flush_cache, ...) stay SGLang's, guarded by its
 `--admin-api-key` when given: bind to loopback (the default) unless that is set.
@@ -46,7 +46,7 @@ def sglang_view(draft: Path, work_dir: Path) -> Path:
 
     cfg = config_from_hf(json.loads((draft / "config.json").read_text()))
     if cfg.kind != "eagle3":
-        raise ValueError(f"--engine sglang serves EAGLE-3 drafts; {draft} is a {cfg.kind} draft")
+        raise ValueError(f"SGLang reads {cfg.kind} drafts as they are; {draft} needs no view")
     weights = (draft / WEIGHTS_NAME).resolve()
     out = work_dir / VIEW_DIR / f"{draft.name}-{sha256_file(weights)[:12]}"
     out.mkdir(parents=True, exist_ok=True)
@@ -58,18 +58,32 @@ def sglang_view(draft: Path, work_dir: Path) -> Path:
     return out
 
 
-def sglang_argv(cfg: ServeConfig, model: Path, view: Path) -> list[str]:
+def speculative_argv(draft: Path, work_dir: Path, k: int) -> list[str]:
+    """SGLang's speculative arguments for the codraft draft folder `draft`: EAGLE-3 (a chain
+    of `k` drafts, from SGLang's view of the checkpoint) or DFlash (its block; SGLang reads
+    codraft's DFlash folder as it is)."""
+    from codraft.draft.checkpoint import config_from_hf
+
+    cfg = config_from_hf(json.loads((draft / "config.json").read_text()))
+    if cfg.kind == "dflash":
+        return ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",
+                str(draft), "--speculative-num-draft-tokens", str(cfg.block_size)]  # fmt: skip
+    return [
+        "--speculative-algorithm", "EAGLE3",
+        "--speculative-draft-model-path", str(sglang_view(draft, work_dir)),
+        "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", str(k + 1),
+    ]  # fmt: skip
+
+
+def sglang_argv(cfg: ServeConfig, model: Path, speculative: list[str]) -> list[str]:
     """SGLang's server command line for `cfg` (cfg.vllm_args, the pass-through, last: they
     win). In "full" tap mode the radix cache is off, as vLLM's prefix caching is with the vLLM
     engine: a request whose prefix came from the cache has no features for it, and the tap
     would send none of its rows (it counts such requests incomplete)."""
-    k = cfg.num_speculative_tokens
     argv = [
         "--model-path", str(model), "--host", cfg.host, "--port", str(cfg.port),
-        "--dtype", cfg.dtype,
-        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(view),
-        "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
-        "--speculative-num-draft-tokens", str(k + 1),
+        "--dtype", cfg.dtype, *speculative,
     ]  # fmt: skip
     if cfg.max_model_len is not None:
         argv += ["--context-length", str(cfg.max_model_len)]
@@ -85,8 +99,6 @@ def unsupported(cfg: ServeConfig) -> list[str]:
         out.append("--control-port (the control routes are on the OpenAI port)")
     if cfg.weight_transfer is not None:
         out.append("--weight-transfer (vLLM's RL weight-sync routes)")
-    if cfg.drafter not in (None, "eagle3"):
-        out.append(f"--drafter {cfg.drafter} (EAGLE-3 only)")
     return out
 
 
@@ -117,7 +129,7 @@ def main(cfg: ServeConfig) -> int:
         draft = resolve_draft(cfg, model)
         if cfg.resume_draft:
             draft = choose_draft(record_path(cfg.work_dir, model), draft)
-        view = sglang_view(draft, Path(cfg.work_dir))
+        speculative = speculative_argv(draft, Path(cfg.work_dir), cfg.num_speculative_tokens)
         codraft = EngineConfig.from_dict(engine_settings(cfg)[ADDITIONAL_CONFIG_KEY])
     except (ValueError, FileNotFoundError) as e:
         print(f"codraft serve: {e}", file=sys.stderr)
@@ -128,7 +140,7 @@ def main(cfg: ServeConfig) -> int:
     endpoint = f"ipc://{control_dir}/engine"
     os.environ[ENV] = Settings(str(draft), endpoint, codraft).to_env()
     try:
-        server_args = parse_sglang_args(sglang_argv(cfg, model, view))
+        server_args = parse_sglang_args(sglang_argv(cfg, model, speculative))
     except SystemExit as e:  # SGLang's parser printed what it refused
         return int(e.code or 2)
     run(cfg, server_args, token, endpoint, record_path(cfg.work_dir, model))
