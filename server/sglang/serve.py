@@ -8,16 +8,18 @@ SGLang's HTTP server (`sglang.srt.entrypoints.http_server`, its OpenAI routes, s
   same weights file), or DFlash (SGLang reads codraft's DFlash folder as it is);
 * codraft's engine in the scheduler process (codraft.server.sglang.plugin, enabled through the
   environment), reached over codraft's own control socket (codraft.server.sglang.rpc);
-* codraft's control routes (/v1/draft, /v1/draft/rollback, /v1/tap, GET /v1/draft), /ready and
-  /metrics on the same port, in front of SGLang's routes, and the X-Codraft-Draft-Version /
-  X-Codraft-Policy-Version headers on /v1/completions and /v1/chat/completions.
+* codraft's control routes (/v1/draft, /v1/draft/prepare, /v1/draft/rollback,
+  /v1/draft/digest, /v1/policy, /v1/tap), /ready and /metrics on the same port, in front of
+  SGLang's routes, and the X-Codraft-Draft-Version / X-Codraft-Policy-Version headers on
+  /v1/completions and /v1/chat/completions.
 
-What the vLLM engine has and this one does not yet: a separate control port, the RL
+What the vLLM engine has and this one does not yet: a separate control port, vLLM's RL
 weight-sync routes, draft preparation in the background (`POST /v1/draft/prepare` reads and
-checks between two batches; a draft is small). Arguments `codraft serve`
-does not know go to SGLang's own parser (e.g. `--mem-fraction-static 0.5`); SGLang's admin
-routes (/update_weights_from_disk, /flush_cache, ...) stay SGLang's, guarded by its
-`--admin-api-key` when given: bind to loopback (the default) unless that is set.
+checks between two batches; a draft is small). Arguments `codraft serve` does not know go to
+SGLang's own parser (e.g. `--mem-fraction-static 0.5`). SGLang's admin routes
+(/update_weights_from_tensor, /release_memory_occupation, /flush_cache, ...) stay SGLang's,
+guarded by its `--admin-api-key` when given (bind to loopback, the default, unless it is set);
+codraft counts their target updates as policy versions and keeps its draft out of them.
 """
 
 from __future__ import annotations
