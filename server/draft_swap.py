@@ -55,6 +55,8 @@ from codraft.server.hooks import drafter_model, target_model
 from codraft.server.weights import (
     DraftSlot,
     SwapError,
+    check_load_args,
+    check_newer,
     check_request,
     open_draft,
     utc_now,
@@ -100,18 +102,6 @@ class Staging:
         return "failed" if self.error is not None else "ready"
 
 
-def check_load_args(path: Any, version: Any, sha256: Any) -> tuple[str, int | None, str | None]:
-    if not isinstance(path, str) or not path:
-        raise SwapError(422, f"path must be a non-empty string, got {path!r}")
-    if version is not None and (
-        isinstance(version, bool) or not isinstance(version, int) or version < 0
-    ):
-        raise SwapError(422, f"version must be a non-negative integer or null, got {version!r}")
-    if sha256 is not None and not (isinstance(sha256, str) and len(sha256) == 64):
-        raise SwapError(422, f"sha256 must be 64 hex digits or null, got {sha256!r}")
-    return path, version, sha256
-
-
 class DraftSwapper:
     """The serving draft, the one kept for rollback, and the one being prepared."""
 
@@ -131,15 +121,7 @@ class DraftSwapper:
 
     # ------------------------------------------------------------------ prepare
     def _check_newer(self, version: int) -> None:
-        if version <= self.highest:
-            after = "" if self.highest == self.current.version else (
-                f", though v{self.current.version} serves after a rollback"
-            )  # fmt: skip
-            raise SwapError(
-                409,
-                f"draft version {version} is not newer than v{self.highest}, the highest this "
-                f"server has installed{after}: number the draft {self.highest + 1} or higher",
-            )
+        check_newer(version, self.highest, self.current.version)
 
     def _new_staging(self, path: Any, version: Any, sha256: Any) -> Staging:
         path, version, sha256 = check_load_args(path, version, sha256)

@@ -57,15 +57,17 @@ class Place:
         return value if isinstance(value, torch.Tensor) else None
 
 
-def _storage_ptr(t: torch.Tensor) -> int:
+def storage_ptr(t: torch.Tensor) -> int:
     try:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # meta or otherwise storage-less
         return 0
 
 
-def _target_storages(target: nn.Module) -> set[int]:
-    return {p for t in [*target.parameters(), *target.buffers()] if (p := _storage_ptr(t))}
+def target_storages(target: nn.Module) -> set[int]:
+    """The storages of the target's parameters and buffers (a draft's tensors sharing one are
+    the target's, e.g. a shared embedding)."""
+    return {p for t in [*target.parameters(), *target.buffers()] if (p := storage_ptr(t))}
 
 
 def module_tensors(model: nn.Module, attributes: bool = True) -> list[tuple[str, Place]]:
@@ -102,12 +104,12 @@ def draft_tensors(proposer: Any, drafter: nn.Module, target: nn.Module) -> dict[
     attributes, the proposer's tensor attributes (`proposer` may be None). Left out: empty and
     meta tensors (nothing to keep) and the attention layers' KV cache (a sleep drops it; the
     draft's state is elsewhere)."""
-    shared = _target_storages(target)
+    shared = target_storages(target)
     found: dict[str, Place] = {}
 
     def add(name: str, place: Place) -> None:
         t = place.get()
-        if t is None or t.is_meta or not t.numel() or _storage_ptr(t) in shared:
+        if t is None or t.is_meta or not t.numel() or storage_ptr(t) in shared:
             return
         found[name] = place
 
@@ -159,7 +161,7 @@ class SleepCopy:
             for name, place in places.items():
                 t = place.get()
                 assert t is not None
-                tag = "weights" if tag_of is None else tag_of(_storage_ptr(t))
+                tag = "weights" if tag_of is None else tag_of(storage_ptr(t))
                 if tag is not None:
                     saved[name] = (place, tag, t.detach().to("cpu", copy=True))
         return cls(saved)

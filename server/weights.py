@@ -28,7 +28,7 @@ import logging
 import math
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from pathlib import Path
@@ -180,6 +180,32 @@ def open_draft(
         meta.version, meta.weights_sha256, str(root), utc_now(), checked.cfg, checked.tensors
     )
     return OpenedDraft(slot, checked)
+
+
+def check_load_args(path: Any, version: Any, sha256: Any) -> tuple[str, int | None, str | None]:
+    """A draft load's arguments as the control API passes them; 422 for malformed ones."""
+    if not isinstance(path, str) or not path:
+        raise SwapError(422, f"path must be a non-empty string, got {path!r}")
+    if version is not None and (
+        isinstance(version, bool) or not isinstance(version, int) or version < 0
+    ):
+        raise SwapError(422, f"version must be a non-negative integer or null, got {version!r}")
+    if sha256 is not None and not (isinstance(sha256, str) and len(sha256) == 64):
+        raise SwapError(422, f"sha256 must be 64 hex digits or null, got {sha256!r}")
+    return path, version, sha256
+
+
+def check_newer(version: int, highest: int, current: int) -> None:
+    """409 unless `version` is above `highest`, the highest an engine has installed (a rollback
+    makes an older draft current, and a version must still name one draft only: responses and
+    per-version metrics carry it)."""
+    if version <= highest:
+        after = "" if highest == current else f", though v{current} serves after a rollback"
+        raise SwapError(
+            409,
+            f"draft version {version} is not newer than v{highest}, the highest this "
+            f"server has installed{after}: number the draft {highest + 1} or higher",
+        )
 
 
 def check_request(
@@ -427,8 +453,14 @@ def retie_lm_head(model: Any, vllm_config: Any) -> None:
 
 
 def serving_target(vllm_config: Any) -> dict[str, Any]:
-    """Fingerprint and tensor layout of the target the engine was started with."""
-    model = vllm_config.model_config.model
+    """Fingerprint and tensor layout of the target vLLM was started with."""
+    mc = vllm_config.model_config
+    return target_at(mc.model, mc.hf_config.to_dict)
+
+
+def target_at(model: str | os.PathLike, hf_config: Callable[[], dict]) -> dict[str, Any]:
+    """Fingerprint and tensor layout of the target an engine serves from `model`: a folder, or
+    a hub id (then `hf_config()`, the config the engine resolved, and no layout)."""
     root = Path(model)
     if (root / "config.json").is_file():
         fingerprint = model_fingerprint(root)
@@ -436,7 +468,7 @@ def serving_target(vllm_config: Any) -> dict[str, Any]:
             layout = folder_layout(root)[1]
         except (OSError, ValueError, KeyError):
             layout = {}
-    else:  # a hub id: the config vLLM resolved, no layout to compare against
-        fingerprint = model_fingerprint(vllm_config.model_config.hf_config.to_dict())
+    else:
+        fingerprint = model_fingerprint(hf_config())
         layout = {}
     return {"path": os.fspath(model), "fingerprint": fingerprint, "layout": layout}

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from codraft.server.sleep_copy import storage_ptr, target_storages
 from codraft.server.weights import SwapError
 
 NOT_WRITTEN = ("d2t", "t2d")
@@ -30,12 +31,8 @@ NOT_WRITTEN = ("d2t", "t2d")
 
 def owned_parameters(draft: Any, target: Any) -> dict[str, torch.Tensor]:
     """The draft model's parameters that are not the target's (shared storages excluded)."""
-    shared = {p.untyped_storage().data_ptr() for p in target.parameters()}
-    return {
-        name: p
-        for name, p in draft.named_parameters()
-        if p.untyped_storage().data_ptr() not in shared
-    }
+    shared = target_storages(target)
+    return {name: p for name, p in draft.named_parameters() if storage_ptr(p) not in shared}
 
 
 class DraftWeights:

@@ -34,12 +34,10 @@ import logging
 import os
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from codraft.draft.checkpoint import DraftCheckpointError, DraftContract
 from codraft.server.acceptance import Acceptance, AutoRollback, FinishedVersions
 from codraft.server.capture import Assembler, CaptureStats, TapTarget
 from codraft.server.engine_config import EngineConfig
@@ -53,13 +51,14 @@ from codraft.server.weights import (
     DraftSlot,
     PolicySlot,
     SwapError,
+    check_load_args,
+    check_newer,
     check_policy,
-    folder_layout,
-    load_checked,
+    open_draft,
     read_initial_draft,
+    target_at,
     utc_now,
 )
-from codraft.tap import model_fingerprint
 from codraft.tap.message import DTYPES
 
 log = logging.getLogger(__name__)
@@ -158,7 +157,7 @@ class SGLangEngine(AutoRollback):
         self.previous_params: dict[str, torch.Tensor] | None = None
         self.highest = self.current.version
         self.staged: dict | None = None  # a draft read and checked ahead of its swap
-        self.staged_data: tuple | None = None
+        self.staged_slot: DraftSlot | None = None
         self.ticket = 0
         self.sleep_copy: SleepCopy | None = None  # the draft, while SGLang's weights are released
         self.acceptance = Acceptance(self.cfg.rollback_window)
@@ -172,13 +171,8 @@ class SGLangEngine(AutoRollback):
         runner = self.target_runner
         wire = DTYPES[self.cfg.tap_dtype] if self.cfg.tap_dtype else runner.dtype
         self.stats_ = CaptureStats()
-        model_path = Path(args.model_path)
-        self.serving = {
-            "path": str(model_path),
-            "fingerprint": model_fingerprint(model_path if model_path.is_dir() else hf.to_dict()),
-            "layout": folder_layout(model_path)[1] if model_path.is_dir() else {},
-        }
-        self.policy = PolicySlot(0, str(model_path), utc_now())
+        self.serving = target_at(args.model_path, hf.to_dict)
+        self.policy = PolicySlot(0, self.serving["path"], utc_now())
         self.target = TapTarget(
             tap_layers=self.taps,
             hidden_size=self.hidden,
@@ -406,42 +400,36 @@ class SGLangEngine(AutoRollback):
             "engine": "sglang",
         }
 
-    def _read(self, path: Any, version: Any, sha256: Any) -> tuple[Any, Any, dict, int, float]:
-        """Read and check a checkpoint against the serving draft's contract (the vLLM engine's
-        checks and statuses): (config, meta, tensors, version, milliseconds)."""
+    def _read(self, path: Any, version: Any, sha256: Any) -> tuple[DraftSlot, float]:
+        """Read and check a checkpoint with the vLLM engine's checks and statuses (arguments,
+        newer version, contract and target fingerprint, sha256) and the vocabulary map SGLang
+        keeps: the new slot (its tensors on the host) and the milliseconds it took."""
         t0 = time.perf_counter()
-        if not isinstance(path, str) or not path:
-            raise SwapError(422, f"path must be a non-empty string, got {path!r}")
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
-            raise SwapError(422, f"version must be an integer or null, got {version!r}")
-        if not Path(path).exists():
-            raise SwapError(404, f"no draft checkpoint at {path}")
+        path, version, sha256 = check_load_args(path, version, sha256)
+        if version is not None:
+            check_newer(version, self.highest, self.current.version)
+        opened = open_draft(path, version, sha256, self.current, self.serving["fingerprint"])
         try:
-            cfg, meta, tensors = load_checked(Path(path), DraftContract.of(self.current.config))
-        except DraftCheckpointError as e:
-            raise SwapError(422, str(e)) from None
-        version = meta.version if version is None else version
-        if version != meta.version:
-            raise SwapError(422, f"version {version} differs from the checkpoint's "
-                                 f"{meta.version} (codraft.json)")  # fmt: skip
-        if sha256 is not None and sha256 != meta.weights_sha256:
-            raise SwapError(422, f"sha256 {sha256} differs from the checkpoint's")
-        if version <= self.highest:
-            raise SwapError(409, f"draft version {version} is not newer than {self.highest}")
-        self.weights.check_maps(tensors)
-        return cfg, meta, tensors, version, 1e3 * (time.perf_counter() - t0)
+            opened.verify()
+            check_newer(opened.slot.version, self.highest, self.current.version)
+            self.weights.check_maps(opened.slot.weights)
+        except BaseException:
+            opened.checked.release()
+            raise
+        return opened.slot, 1e3 * (time.perf_counter() - t0)
 
     def prepare_draft(self, path: Any, version: Any = None, sha256: Any = None) -> dict:
         """Read and check now (between two batches: a draft is small), install at the swap."""
-        cfg, meta, tensors, version, ms = self._read(path, version, sha256)
+        slot, ms = self._read(path, version, sha256)
         self.ticket += 1
         self.staged = {
-            "ticket": str(self.ticket), "path": path, "version": version, "state": "ready",
-            "status": None, "error": None, "sha256": meta.weights_sha256,
+            "ticket": str(self.ticket), "path": path, "version": slot.version, "state": "ready",
+            "status": None, "error": None, "sha256": slot.sha256,
             "files_changed": False, "timing_ms": {"read_check_ms": ms},
         }  # fmt: skip
-        self.staged_data = (cfg, meta, tensors)
-        return {"ok": True, "ticket": self.staged["ticket"], "version": version, "ready": False}
+        self.staged_slot = slot
+        return {"ok": True, "ticket": self.staged["ticket"], "version": slot.version,
+                "ready": False}  # fmt: skip
 
     def staged_draft(self) -> dict:
         if self.staged is None:
@@ -450,27 +438,28 @@ class SGLangEngine(AutoRollback):
 
     def swap_draft(self, path: Any, version: Any = None, sha256: Any = None) -> dict:
         """Install the staged draft when it is this checkpoint, else read it first."""
-        st, ahead = self.staged, False
-        if st is not None and st["path"] == path and version in (None, st["version"]):
-            if sha256 is None or sha256 == st["sha256"]:
-                ahead = st["version"] > self.highest
-        if ahead:
-            (cfg, meta, tensors), version = self.staged_data, st["version"]
-            ms = 0.0
-        else:
-            cfg, meta, tensors, version, ms = self._read(path, version, sha256)
-        self.staged = self.staged_data = None
+        slot, ms = self.staged_slot, 0.0
+        ahead = (
+            slot is not None
+            and slot.path == path
+            and version in (None, slot.version)
+            and sha256 in (None, slot.sha256)
+            and slot.version > self.highest
+        )
+        if not ahead:
+            slot, ms = self._read(path, version, sha256)
+        self.staged = self.staged_slot = None
         t1 = time.perf_counter()
-        self.weights.write(tensors)
+        self.weights.write(slot.weights)
         install = 1e3 * (time.perf_counter() - t1)
         old = self.current
         self.previous, self.previous_params = old, self.weights.take_saved()
-        self.current = DraftSlot(version, meta.weights_sha256, path, utc_now(), cfg, {})
-        self.highest = version
+        self.current = replace(slot, weights={})
+        self.highest = slot.version
         self.reference_rate = self.acceptance.request_rate(old.version)
-        self.acceptance.reset_window(version)
+        self.acceptance.reset_window(slot.version)
         self.swaps += 1
-        log.info("codraft: draft v%d -> v%d", old.version, version)
+        log.info("codraft: draft v%d -> v%d", old.version, slot.version)
         return {"ok": True, "ready": True, "prepared_ahead": ahead, "draft": self.info()["draft"],
                 "timing_ms": {"read_check_ms": ms, "install_ms": install}}  # fmt: skip
 
