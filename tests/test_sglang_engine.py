@@ -553,3 +553,30 @@ def test_sglang_memory_release_keeps_the_draft_and_its_own_weight_routes_leave_i
     to_target = SimpleNamespace(target_worker=SimpleNamespace(
         update_weights_from_tensor=lambda req: (True, "target")))  # fmt: skip
     assert plugin._tensor_to_target(lambda *a: (True, "both"), to_target, None) == (True, "target")
+
+
+def test_a_long_request_goes_out_in_chunks_while_it_runs(setup) -> None:
+    """With messages of at most 4 tokens, a request's first chunks go out before it finishes;
+    each is checked against the tokens SGLang has appended to the request's output ids so
+    far (given to the capture step by step): every chunk arrives, none counted inconsistent."""
+    s, e = setup, setup.engine
+    e.assembler.max_tokens = 4
+    a = Req("a", [1, 2, 3])
+    prev = step(s, [a], [(1, 0), (2, 1), (3, 2)], True, [3])
+    cur = step(s, [a], [(4, 3), (5, 4), (6, 5)], False, accept=[3])
+    a.output_ids = [4]  # SGLang appends as it processes each step's result
+    e.on_result(*prev)
+    prev, cur = cur, step(s, [a], [(7, 6), (8, 7), (9, 8)], False, accept=[3])
+    a.output_ids += [5, 6, 7]
+    e.on_result(*prev)
+    e.stats(flush=True)  # rows 0..6 are known, chunks 0..3 and 4..7 can go out before the end
+    a.output_ids += [8, 9, 10]
+    a.done = True
+    e.on_result(*cur)
+    seq = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    got = []
+    while s.pull.poll(2000):
+        got.append(decode(s.pull.recv_multipart()))
+    assert e.stats(flush=True)["tap"]["requests_inconsistent"] == 0
+    ids = [t for m in got for t in m.token_ids.tolist()]
+    assert len(got) >= 2 and ids == seq[: len(ids)] and len(ids) >= len(seq) - 1, ids

@@ -165,7 +165,8 @@ class SGLangEngine(AutoRollback):
         self.pending_rollback: str | None = None
         self.swaps = self.rollbacks = self.auto_rollbacks = 0
         self.hook_errors = 0
-        self.running: set[str] = set()
+        # requests being served -> how many of their output tokens the capture has been given
+        self.running: dict[str, int] = {}
         self.versions_by_request = FinishedVersions(self.cfg.request_versions_max)
         self.tap = TapSwitch(self.cfg, flush=lambda: self.assembler.flush())
         runner = self.target_runner
@@ -244,7 +245,7 @@ class SGLangEngine(AutoRollback):
         rids = [r.rid for r in reqs]
         for r in reqs:
             if r.rid not in self.running and not r.finished():
-                self.running.add(r.rid)
+                self.running[r.rid] = 0
                 self.capture.begin(r.rid, list(r.origin_input_ids))
         # as SGLang's speculative workers tell a prefill from a verification
         extend = bool(batch.forward_mode.is_extend() or getattr(batch, "is_extend_in_batch", 0))
@@ -284,7 +285,7 @@ class SGLangEngine(AutoRollback):
         if pending is not None:
             result._codraft_step = None
             try:
-                self._account(pending, result)
+                self._account(pending, result, {r.rid: r for r in batch.reqs})
             except Exception:  # those requests go out incomplete (their rows are missing)
                 self.hook_errors += 1
                 log.exception("codraft: processing a step's capture failed")
@@ -297,7 +298,7 @@ class SGLangEngine(AutoRollback):
                     log.exception("codraft: finishing request %s failed", req.rid)
         self._check_rollback()
 
-    def _account(self, p: _Pending, result: Any) -> None:
+    def _account(self, p: _Pending, result: Any, reqs: dict[str, Any]) -> None:
         if p.extend:
             final = list(p.counts)
         else:
@@ -313,12 +314,20 @@ class SGLangEngine(AutoRollback):
                     accepted += a - 1
                     self.acceptance.observe(rid, p.version, k - 1, a - 1)
             self.acceptance.record(p.version, drafts, tokens, accepted)
-        n = len(p.rids)
-        self.capture.step(Step(p.rids, p.counts, final, [[] for _ in range(n)], p.rows, p.staged))
+        # the tokens the step added (SGLang appended them to each request's output ids): a
+        # long request's chunks go out before it finishes and are checked against them
+        new = []
+        for rid in p.rids:
+            seen, req = self.running.get(rid), reqs.get(rid)
+            out = [] if seen is None or req is None else list(req.output_ids[seen:])
+            if seen is not None:
+                self.running[rid] = seen + len(out)
+            new.append(out)
+        self.capture.step(Step(p.rids, p.counts, final, new, p.rows, p.staged))
 
     def _finished(self, req: Any) -> None:
         rid = req.rid
-        self.running.discard(rid)
+        self.running.pop(rid, None)
         self.capture.finish(rid, list(req.output_ids))
         self.acceptance.close(rid)
         self.versions_by_request.note([rid], self.current.version)
