@@ -71,9 +71,10 @@ def sglang_draft(draft: Path, work: Path) -> Path:
 
 
 class TapSink:
-    """A PULL socket that takes tap messages and counts them (the codraft arm's learner)."""
+    """A PULL socket on a free port of 127.0.0.1 (the learner's side of the tap): counts the
+    messages; with `keep`, decodes them (codraft.tap.message) and keeps them by request."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = False) -> None:
         import threading
 
         import zmq
@@ -81,15 +82,36 @@ class TapSink:
         self.sock = zmq.Context.instance().socket(zmq.PULL)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.messages = 0
+        self.keep = keep
+        self.count = 0
+        self.messages: dict[str, list[Any]] = {}
+        self.rejected: list[str] = []
         self.stop = False
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
+        from codraft.tap.message import TapRejected, decode
+
         while not self.stop:
-            if self.sock.poll(200):
-                self.sock.recv_multipart()
-                self.messages += 1
+            if not self.sock.poll(200):
+                continue
+            frames = self.sock.recv_multipart()
+            self.count += 1
+            if not self.keep:
+                continue
+            try:
+                msg = decode(frames)
+            except TapRejected as e:
+                self.rejected.append(f"{e.reason}: {e}")
+                continue
+            self.messages.setdefault(msg.header.request_id, []).append(msg)
+
+    def wait_for(self, rids: list[str], timeout: float = 30.0) -> dict[str, list[Any]]:
+        """The kept messages of these requests, once each has one (or after `timeout` s)."""
+        end = time.time() + timeout
+        while time.time() < end and not all(r in self.messages for r in rids):
+            time.sleep(0.1)
+        return {r: self.messages.get(r, []) for r in rids}
 
 
 def heldout_prompt_ids(target: Path) -> list[list[int]]:
@@ -237,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
         results = {n: arm(stages, n, kw, prompts, args.max_tokens, batches, envs.get(n))
                    for n, kw in arms.items()}  # fmt: skip
         if sink is not None:
-            report["codraft_tap_messages"] = sink.messages
+            report["codraft_tap_messages"] = sink.count
         report["arms"], lossless = compare_arms(results)
         report["ok"] = len(lossless) == len(arms) - 1 and all(lossless.values())
     report.setdefault("ok", False)

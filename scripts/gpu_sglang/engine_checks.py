@@ -36,7 +36,6 @@ import os
 import secrets
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -46,41 +45,6 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent / "gpu_vllm"))  # make_prompts, stages
 sys.path.insert(0, str(HERE))
 from stages import Stages  # noqa: E402
-
-
-class TapSink:
-    """Binds a PULL socket and decodes every codraft tap message that arrives (by request)."""
-
-    def __init__(self, endpoint: str) -> None:
-        import zmq
-
-        self.sock = zmq.Context.instance().socket(zmq.PULL)
-        self.sock.bind(endpoint)
-        self.messages: dict[str, list[Any]] = {}
-        self.rejected: list[str] = []
-        self.stop = False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        from codraft.tap.message import TapRejected, decode
-
-        while not self.stop:
-            if not self.sock.poll(200):
-                continue
-            frames = self.sock.recv_multipart(copy=True)
-            try:
-                msg = decode(frames)
-            except TapRejected as e:
-                self.rejected.append(f"{e.reason}: {e}")
-                continue
-            self.messages.setdefault(msg.header.request_id, []).append(msg)
-
-    def wait_for(self, rids: list[str], timeout: float = 30.0) -> dict[str, list[Any]]:
-        end = time.time() + timeout
-        while time.time() < end and not all(r in self.messages for r in rids):
-            time.sleep(0.1)
-        return {r: self.messages.get(r, []) for r in rids}
 
 
 def joined(msgs: list[Any]) -> dict[int, tuple[int, Any, Any]]:
@@ -143,7 +107,7 @@ def main() -> int:
     args = p.parse_args()
 
     import httpx
-    from eagle3_smoke import heldout_prompt_ids
+    from eagle3_smoke import TapSink, heldout_prompt_ids
 
     from codraft.client import CodraftClient
     from codraft.server.serve import free_port
@@ -173,9 +137,9 @@ def main() -> int:
             engine.shutdown()
 
     ref = stages.run("reference", reference)
-    port, tap = free_port(), free_port()
+    port = free_port()
     token = secrets.token_hex(16)
-    sink = TapSink(f"tcp://127.0.0.1:{tap}")
+    sink = TapSink(keep=True)
     log_path = out / "sglang_serve.log"
     server = None
     try:
@@ -183,7 +147,7 @@ def main() -> int:
         server = subprocess.Popen(
             [sys.executable, "-m", "codraft.cli", "serve", "--engine", "sglang",
              "--model", str(target), "--port", str(port), "--dtype", "bfloat16",
-             "--tap-endpoint", f"tcp://127.0.0.1:{tap}", "--work-dir", str(work / "serve"),
+             "--tap-endpoint", sink.endpoint, "--work-dir", str(work / "serve"),
              "--no-resume-draft", "--mem-fraction-static", str(args.mem_fraction),
              "--attention-backend", args.attention_backend, "--disable-radix-cache",
              "--log-level", "warning",

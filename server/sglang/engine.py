@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -232,7 +233,7 @@ class SGLangEngine(AutoRollback):
         the final hidden state; `split_final` already gave the draft its part): gather the
         captured requests' rows."""
         batch = self._batch
-        if batch is None or hidden.shape[-1] != (len(self.taps) + 1) * self.hidden:
+        if batch is None:
             return  # a forward outside the speculative worker's step (warm-up)
         try:
             self._pending = self._stage(batch, forward_batch, hidden, len(self.taps) * self.hidden)
@@ -256,12 +257,9 @@ class SGLangEngine(AutoRollback):
             counts = [rows // max(len(rids), 1)] * len(rids)
         if sum(counts) != rows:
             raise ValueError(f"{rows} rows for requests of {counts} rows ({batch.forward_mode})")
-        staged = self.capture.rows_wanted(rids)
-        offsets = [0]
-        for c in counts:
-            offsets.append(offsets[-1] + c)
-        ranges = [(offsets[i], offsets[i + 1]) for i in staged if counts[i]]
-        staged = [i for i in staged if counts[i]]
+        staged = [i for i in self.capture.rows_wanted(rids) if counts[i]]
+        offsets = [0, *itertools.accumulate(counts)]
+        ranges = [(offsets[i], offsets[i + 1]) for i in staged]
         gathered = None
         if ranges:
             gathered = self.copier.copy(

@@ -173,23 +173,19 @@ def install_codraft(app, endpoint: str, token: str | None, settings) -> EngineCo
 
 
 def engine_info(endpoint: str, timeout_s: float = 30.0) -> dict:
-    """codraft_info over a blocking socket of its own (from a thread outside the event loop)."""
-    import msgpack
-    import zmq
+    """codraft_info from a thread outside the serving event loop (SGLang's warm-up thread)."""
+    import asyncio
 
-    from codraft.server.sglang.rpc import MAX_FRAME
+    from codraft.server.sglang.rpc import RpcClient
 
-    sock = zmq.Context.instance().socket(zmq.REQ)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(endpoint)
-        sock.send(msgpack.packb({"method": "codraft_info", "kwargs": {}}))
-        if not sock.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"the scheduler did not answer codraft_info in {timeout_s} s")
-        return msgpack.unpackb(sock.recv(), raw=False)
-    finally:
-        sock.close(0)
+    async def ask() -> dict:
+        client = RpcClient(endpoint)
+        try:
+            return await client.call("codraft_info", timeout_s)
+        finally:
+            client.close()
+
+    return asyncio.run(ask())
 
 
 def run(cfg: ServeConfig, server_args, token: str | None, endpoint: str, record: Path) -> None:
