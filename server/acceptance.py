@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass
@@ -124,22 +123,6 @@ def should_roll_back(current_rate: float | None, reference: float | None, fracti
     return current_rate < fraction * reference
 
 
-def rollback_reason(
-    acceptance: Acceptance, version: int, previous: int, reference: float | None, cfg: Any
-) -> str | None:
-    """The automatic-rollback rule of both engines: why draft `version` should give way to
-    `previous` (whose whole-request rate was `reference` when it was replaced), or None.
-    `cfg` is the engine's EngineConfig (rollback_window, rollback_fraction)."""
-    rate = acceptance.request_rate(version)
-    if not should_roll_back(rate, reference, cfg.rollback_fraction):
-        return None
-    return (
-        f"auto: draft v{version} accepts {rate:.3f} of its tokens over whole requests holding "
-        f"{cfg.rollback_window}+ verifications, below {cfg.rollback_fraction} x v{previous}'s "
-        f"{reference:.3f}"
-    )
-
-
 class _Windows:
     """Per version, the most recent entries (steps or requests) holding `window` verifications."""
 
@@ -181,13 +164,13 @@ class AutoRollback:
     def _check_rollback(self) -> None:
         if not self.cfg.auto_rollback or self.previous is None or self.pending_rollback:
             return
-        self.pending_rollback = rollback_reason(
-            self.acceptance,
-            self.current.version,
-            self.previous.version,
-            self.reference_rate,
-            self.cfg,
-        )
+        rate, reference = self.acceptance.request_rate(self.current.version), self.reference_rate
+        if should_roll_back(rate, reference, self.cfg.rollback_fraction):
+            self.pending_rollback = (
+                f"auto: draft v{self.current.version} accepts {rate:.3f} of its tokens over "
+                f"whole requests holding {self.cfg.rollback_window}+ verifications, below "
+                f"{self.cfg.rollback_fraction} x v{self.previous.version}'s {reference:.3f}"
+            )
 
 
 class FinishedVersions:
