@@ -459,7 +459,7 @@ def test_codraft_serve_routes_reach_the_engine_over_its_control_socket(setup) ->
         return {"id": "cmpl-1", "choices": [{"text": "x"}]}
 
     token = "s3cret"
-    control = install_codraft(app, s.control, token, ControlSettings())
+    control = install_codraft(app, s.control, token, ControlSettings(refresh_s=0.05))
     stop = threading.Event()
 
     def scheduler() -> None:
@@ -486,6 +486,14 @@ def test_codraft_serve_routes_reach_the_engine_over_its_control_socket(setup) ->
         assert client.metrics()["codraft_draft_version"] == 0
         digest = httpx.get(f"{base}/v1/draft/digest", headers={"Authorization": f"Bearer {token}"})
         assert digest.status_code == 200 and digest.json()["version"] == 0, digest.text
+        # a policy update through SGLang's own route, seen in the headers without a codraft call
+        s.engine.policy_changed("tensor")
+        deadline = time.monotonic() + 10
+        while (policy := httpx.post(f"{base}/v1/completions", json={}).headers[
+            "x-codraft-policy-version"
+        ]) != "1" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert policy == "1"
         client.close()
     finally:
         server.should_exit = True
