@@ -81,11 +81,20 @@ class Req:
 
 
 class Mode:
-    def __init__(self, extend: bool) -> None:
-        self.extend = extend
+    """SGLang's ForwardMode as far as codraft asks it: a step's batch is EXTEND or DECODE; the
+    verification's forward batch is TARGET_VERIFY, which SGLang counts among the extend modes."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
 
     def is_extend(self) -> bool:
-        return self.extend
+        return self.name in ("EXTEND", "TARGET_VERIFY")
+
+    def is_target_verify(self) -> bool:
+        return self.name == "TARGET_VERIFY"
+
+    def __str__(self) -> str:
+        return self.name
 
 
 def feats(pos: int, tok: int, taps: int, h: int) -> torch.Tensor:
@@ -133,20 +142,28 @@ def setup(tiny_llama_dir: Path, tmp_path: Path):
     pull.close(0)
 
 
-def forward(s, rows: list[tuple[int, int]]):
+def forward(s, rows: list[tuple[int, int]], mode: Mode, per_request: int | None = None):
     """The target's forward over (token, position) rows, as SGLang's model runner returns it
-    with codraft's plugin: hidden states [N, (taps + 1) * H]."""
+    with codraft's plugin: hidden states [N, (taps + 1) * H]. A verification's output ends
+    with a padding request's rows, as a CUDA graph's may."""
+    if mode.is_target_verify():
+        rows = rows + [(0, 0)] * per_request
     hs = torch.stack([feats(p, t, s.taps, s.h) for t, p in rows])
     fb = SimpleNamespace(input_ids=torch.tensor([t for t, _ in rows]),
-                         positions=torch.tensor([p for _, p in rows]))  # fmt: skip
+                         positions=torch.tensor([p for _, p in rows]), forward_mode=mode,
+                         batch_size=len(rows) // (per_request or 1),
+                         spec_info=SimpleNamespace(draft_token_num=per_request,
+                                                   ragged_verify_layout=None))  # fmt: skip
     return fb, SimpleNamespace(logits_output=SimpleNamespace(hidden_states=hs))
 
 
 def step(s, reqs, rows, extend, extend_lens=None, accept=None):
     e = s.engine
-    batch = SimpleNamespace(reqs=reqs, forward_mode=Mode(extend), extend_lens=extend_lens)
+    batch = SimpleNamespace(reqs=reqs, forward_mode=Mode("EXTEND" if extend else "DECODE"),
+                            extend_lens=extend_lens)  # fmt: skip
     e.on_batch(batch)
-    fb, out = forward(s, rows)
+    per = None if extend else len(rows) // len(reqs)
+    fb, out = forward(s, rows, Mode("EXTEND" if extend else "TARGET_VERIFY"), per)
     e.on_target_forward(fb, split_final(e.target_runner, out))
     # the draft reads the tap layers only
     assert out.logits_output.hidden_states.shape[-1] == s.taps * s.h
@@ -489,9 +506,11 @@ def test_codraft_serve_routes_reach_the_engine_over_its_control_socket(setup) ->
         # a policy update through SGLang's own route, seen in the headers without a codraft call
         s.engine.policy_changed("tensor")
         deadline = time.monotonic() + 10
-        while (policy := httpx.post(f"{base}/v1/completions", json={}).headers[
-            "x-codraft-policy-version"
-        ]) != "1" and time.monotonic() < deadline:
+        while (
+            policy := httpx.post(f"{base}/v1/completions", json={}).headers[
+                "x-codraft-policy-version"
+            ]
+        ) != "1" and time.monotonic() < deadline:
             time.sleep(0.05)
         assert policy == "1"
         client.close()

@@ -62,7 +62,19 @@ ATTRIBUTES = {
     ),
     ("sglang.srt.managers.utils", "GenerationBatchResult"): ("logits_output", "accept_lens"),
     ("sglang.srt.layers.logits_processor", "LogitsProcessorOutput"): ("hidden_states",),
-    ("sglang.srt.model_executor.forward_batch_info", "ForwardBatch"): ("input_ids", "positions"),
+    ("sglang.srt.model_executor.forward_batch_info", "ForwardBatch"): (
+        "input_ids", "positions", "forward_mode", "batch_size", "spec_info",
+    ),  # fmt: skip
+    ("sglang.srt.model_executor.forward_batch_info", "ForwardMode"): (
+        "is_extend", "is_target_verify",
+    ),  # fmt: skip
+    ("sglang.srt.speculative.eagle_info", "EagleVerifyInput"): ("draft_token_num",),
+    ("sglang.srt.speculative.dflash_info", "DFlashVerifyInput"): (
+        "draft_token_num", "ragged_verify_layout",
+    ),  # fmt: skip
+    ("sglang.srt.speculative.ragged_verify", "RaggedVerifyLayout"): (
+        "verify_lens", "verify_lens_cpu",
+    ),  # fmt: skip
     ("sglang.srt.model_executor.model_runner", "ModelRunner"): (
         "model", "is_draft_worker", "dtype", "device", "gpu_id", "model_config",
         "weight_updater", "load_model",

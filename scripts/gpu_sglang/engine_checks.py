@@ -93,9 +93,14 @@ def main() -> int:
     p.add_argument(
         "--draft",
         default=None,
-        help="the draft served at start (default: "
-        "codraft serve's untrained EAGLE-3 one; a DFlash folder runs SGLang's DFlash)",
+        help="the draft served at start (default: --work/draft, eagle3_smoke.py prepare's "
+        "untrained EAGLE-3 one; a DFlash folder runs SGLang's DFlash)",
     )
+    p.add_argument("--k", type=int, default=3, help="EAGLE-3 drafts per step")
+    p.add_argument(
+        "--dtype", default="bfloat16",
+        help="both engines' (float32: speculation's other kernels shift no greedy choice)",
+    )  # fmt: skip
     p.add_argument("--trained", default=None, help="a newer checkpoint of the same kind")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -111,22 +116,27 @@ def main() -> int:
 
     from codraft.client import CodraftClient
     from codraft.server.serve import free_port
+    from codraft.server.sglang.serve import speculative_argv
 
     work, out = Path(args.work).resolve(), Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"args": vars(args)}
     stages = Stages(report, "engine")
     target = work / "target"
+    draft = Path(args.draft or work / "draft").resolve()
     prompts = heldout_prompt_ids(target)[: args.prompts]
     params = {"temperature": 0.0, "max_new_tokens": args.max_tokens, "ignore_eos": True}
     checks: dict[str, bool] = {}
 
-    def reference() -> list[list[int]]:
+    def reference(speculative: list[str] = ()) -> list[list[int]]:
+        """Stock SGLang's greedy outputs; `speculative`: its speculative arguments."""
         import sglang
 
+        spec = dict(zip(speculative[::2], speculative[1::2], strict=True))
         engine = sglang.Engine(
-            model_path=str(target), dtype="bfloat16", random_seed=0, log_level="warning",
+            model_path=str(target), dtype=args.dtype, random_seed=0, log_level="warning",
             mem_fraction_static=args.mem_fraction, attention_backend=args.attention_backend,
+            **{k.removeprefix("--").replace("-", "_"): v for k, v in spec.items()},
         )  # fmt: skip
         try:
             return [
@@ -137,6 +147,11 @@ def main() -> int:
             engine.shutdown()
 
     ref = stages.run("reference", reference)
+    # stock SGLang speculating with the same draft: what codraft's engine inside must not change
+    stock = stages.run(
+        "reference_speculative",
+        lambda: reference(speculative_argv(draft, work / "stock", args.k)),
+    )
     port = free_port()
     token = secrets.token_hex(16)
     sink = TapSink(keep=True)
@@ -146,12 +161,12 @@ def main() -> int:
         env = {**os.environ, "CODRAFT_CONTROL_TOKEN": token}
         server = subprocess.Popen(
             [sys.executable, "-m", "codraft.cli", "serve", "--engine", "sglang",
-             "--model", str(target), "--port", str(port), "--dtype", "bfloat16",
+             "--model", str(target), "--port", str(port), "--dtype", args.dtype,
              "--tap-endpoint", sink.endpoint, "--work-dir", str(work / "serve"),
              "--no-resume-draft", "--mem-fraction-static", str(args.mem_fraction),
              "--attention-backend", args.attention_backend, "--disable-radix-cache",
-             "--log-level", "warning",
-             *(["--draft", str(Path(args.draft).resolve())] if args.draft else [])],
+             "--log-level", "warning", "--draft", str(draft),
+             "--num-speculative-tokens", str(args.k)],
             stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
         )  # fmt: skip
         base = f"http://127.0.0.1:{port}"
@@ -182,9 +197,13 @@ def main() -> int:
             outs = generate(prompts)
             ids = [list(o["output_ids"]) for o in outs]
             same = [a == b for a, b in zip(ids, ref or [], strict=False)]
+            as_stock = [a == b for a, b in zip(ids, stock or [], strict=False)]
             row = {"identical": f"{sum(same)}/{len(ids)}", "acceptance_length": acceptance(outs),
                    "draft": control.draft().version}  # fmt: skip
             checks[f"lossless_{tag}"] = ref is not None and len(same) == len(ids) and all(same)
+            if tag == "v0":  # the same draft as the stock speculative run
+                row["identical_to_stock"] = f"{sum(as_stock)}/{len(ids)}"
+                checks["identical_to_stock"] = len(as_stock) == len(ids) and all(as_stock)
             row["outs"] = outs
             return row
 

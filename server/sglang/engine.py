@@ -248,15 +248,14 @@ class SGLangEngine(AutoRollback):
             if r.rid not in self.running and not r.finished():
                 self.running[r.rid] = 0
                 self.capture.begin(r.rid, list(r.origin_input_ids))
-        # as SGLang's speculative workers tell a prefill from a verification
-        extend = bool(batch.forward_mode.is_extend() or getattr(batch, "is_extend_in_batch", 0))
+        extend, counts = self._row_counts(batch, fb)
         rows = int(hs.shape[0])
-        if extend:
-            counts = [int(n) for n in batch.extend_lens]
-        else:
-            counts = [rows // max(len(rids), 1)] * len(rids)
-        if sum(counts) != rows:
-            raise ValueError(f"{rows} rows for requests of {counts} rows ({batch.forward_mode})")
+        # a CUDA graph's output may hold padding rows after the batch's
+        if len(counts) != len(rids) or sum(counts) > rows:
+            raise ValueError(
+                f"{rows} rows ({fb.forward_mode}, forward batch of {fb.batch_size}) for "
+                f"{len(rids)} requests of {counts} rows"
+            )
         staged = [i for i in self.capture.rows_wanted(rids) if counts[i]]
         offsets = [0, *itertools.accumulate(counts)]
         ranges = [(offsets[i], offsets[i + 1]) for i in staged]
@@ -266,6 +265,25 @@ class SGLangEngine(AutoRollback):
                 fb.input_ids, fb.positions, [hs[:, :tap_width]], hs[:, tap_width:], ranges
             )
         return _Pending(rids, counts, extend, staged, gathered, self.current.version)
+
+    @staticmethod
+    def _row_counts(batch: Any, fb: Any) -> tuple[bool, list[int]]:
+        """(a prefill?, each request's rows) of the target forward `fb` in `batch`'s step. The
+        forward batch's own mode tells: the worker's step starts as a decode and its
+        verification runs as TARGET_VERIFY, which SGLang counts among the extend modes."""
+        mode = fb.forward_mode
+        if mode.is_target_verify():
+            spec = fb.spec_info
+            layout = getattr(spec, "ragged_verify_layout", None)
+            if layout is not None:  # each request its own number of rows
+                lens = layout.verify_lens_cpu
+                if lens is None:
+                    lens = layout.verify_lens.tolist()
+                return False, [int(n) for n in lens]
+            return False, [int(spec.draft_token_num)] * len(batch.reqs)
+        if mode.is_extend():
+            return True, [int(n) for n in batch.extend_lens]
+        raise ValueError(f"a target forward in {mode} inside a speculative step")
 
     def end_batch(self, result: Any) -> None:
         """The worker's step returned `result`: the step's capture travels with it."""
