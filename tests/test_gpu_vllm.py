@@ -347,6 +347,49 @@ def test_the_capture_probe_compares_final_rows_and_sees_rejected_ones() -> None:
     assert r["final_rows"] == 4 and r["rejected_rows"] == 2 and not r["ok"]  # 4 not covered
 
 
+def test_the_engine_checks_tell_bf16_noise_from_a_misplaced_row() -> None:
+    """engine_checks.compare_capture: captured rows a few percent off the fresh prefill's (as
+    bf16 kernels of other shapes give) pass even above the a-priori tolerance, as long as each
+    is nearer its own position than any row is to the next one; one row shifted by a position
+    (planted here) fails, as does a token id that differs."""
+    import importlib.util
+
+    import torch
+
+    sys.path.insert(0, str(REPO / "scripts" / "gpu_vllm"))  # its imports (stages)
+    path = REPO / "scripts" / "gpu_sglang" / "engine_checks.py"  # vLLM's has the same name
+    spec = importlib.util.spec_from_file_location("sglang_engine_checks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    compare_capture = module.compare_capture
+
+    torch.manual_seed(0)
+    n, h = 12, 16
+    taps, last = torch.randn(n, 2 * h), torch.randn(n, h)
+    ids = torch.arange(100, 100 + n)
+
+    def msg(rows: slice, taps, last, ids, created: float):
+        header = SimpleNamespace(created=created)
+        return SimpleNamespace(header=header, num_tokens=len(ids[rows]), token_ids=ids[rows],
+                               taps=taps[rows], last_hidden=last[rows])  # fmt: skip
+
+    fresh = [msg(slice(0, n), taps, last, ids, 0.0)]
+    noisy_taps = taps * (1 + 0.03 * torch.randn_like(taps).clamp(-2, 2))
+    decoded = [msg(slice(0, 5), noisy_taps, last, ids, 0.0),
+               msg(slice(5, n - 1), noisy_taps, last, ids, 1.0)]  # fmt: skip
+    r = compare_capture(decoded, fresh, tol=0.05)
+    assert r["ok"] and r["common"] == n - 1 and r["token_id_mismatches"] == 0
+    assert r["taps_max_rel_err"] > 0.05 and not r["within_tol"]  # above tol, below the floor
+    assert r["next_position_min_rel_err"] > r["taps_max_rel_err"]
+    shifted = noisy_taps.clone()
+    shifted[7] = taps[8]  # the row of the next position
+    bad = [msg(slice(0, n - 1), shifted, last, ids, 0.0)]
+    assert not compare_capture(bad, fresh, tol=0.05)["ok"]
+    other = ids.clone()
+    other[3] += 1
+    assert not compare_capture([msg(slice(0, n - 1), taps, last, other, 0.0)], fresh, 0.05)["ok"]
+
+
 def test_the_capture_probe_writes_a_plugin_sglang_finds(tmp_path: Path, monkeypatch) -> None:
     import importlib.metadata as md
 
