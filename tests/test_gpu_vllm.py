@@ -193,6 +193,59 @@ def test_run_all_records_a_failing_phase_and_goes_on(tmp_path: Path) -> None:
     assert "[prepare] FAILED" in (out / "run.log").read_text()
 
 
+def test_run_all_sglang_phases_hand_the_cotrained_draft_on(tmp_path: Path) -> None:
+    """The SGLang phases run their scripts with the SGLang venv's python (a recording script
+    stands in for it here: no SGLang on this machine): the checks and the sweep get the draft
+    the co-training left, and each report comes back to --out; nothing of them runs by default."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    calls = tmp_path / "calls.jsonl"
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f"{sys.executable} - \"$@\" <<'EOF'\n"
+        "import json, sys\nfrom pathlib import Path\n"
+        f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        "a = sys.argv[1:]\n"
+        "if a[0].endswith('cotrain.py'):\n"
+        "    d = Path(a[a.index('--work') + 1]) / 'draft-final'\n"
+        "    d.mkdir(parents=True); (d / 'config.json').write_text('{}')\n"
+        "    (d.parent / 'cotrain.json').write_text(json.dumps({'final_draft_version': 7}))\n"
+        "else:\n"
+        "    o = Path(a[a.index('--out') + 1]); o.mkdir(parents=True, exist_ok=True)\n"
+        "    name = 'sglang_' + ('engine_checks' if 'checks' in a[0] else 'eagle3') + '.json'\n"
+        "    (o / name).write_text(json.dumps({'checks': {'capture': True}, 'ok': True}))\n"
+        "EOF\n"
+    )
+    fake.chmod(0o755)
+    r = subprocess.run(
+        [sys.executable, str(KIT / "run_all.py"), "--phases",
+         "sglang_bench,sglang_checks,sglang_cotrain", "--out", str(out), "--work", str(work),
+         "--sglang-python", str(fake), "--budget-s", "2000", "--cotrain-minutes", "2",
+         "--dflash", "d/flash"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    argv = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert [Path(a[0]).name for a in argv] == ["cotrain.py", "engine_checks.py", "eagle3_smoke.py"]
+    final = str(work / "sgl-cotrain" / "draft-final")
+    assert argv[0][argv[0].index("--minutes") + 1] == "2.0" and "sglang" in argv[0]
+    assert argv[1][argv[1].index("--trained") + 1] == final
+    assert argv[2][argv[2].index("--eagle3-draft") + 1] == final and "--codraft" in argv[2]
+    assert argv[2][argv[2].index("--dflash") + 1] == "d/flash"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["phases"]["sglang_cotrain"]["note"] == "final draft v7"
+    assert summary["phases"]["sglang_checks"]["checks"] == {"capture": True}
+    files = sorted(f.name for f in out.iterdir())
+    assert {"sglang_engine_checks.json", "sglang_eagle3.json", "sglang_cotrain.json"} <= set(files)
+    default = subprocess.run([sys.executable, str(KIT / "run_all.py"), "--help"],
+                             capture_output=True, text=True, cwd=REPO)  # fmt: skip
+    assert "sglang_install" in default.stdout  # named, but not in the default list
+    sys.path.insert(0, str(KIT))
+    from run_all import VLLM_PHASES
+
+    assert not any(p.startswith("sglang") for p in VLLM_PHASES)
+
+
 @pytest.mark.skipif(
     not (REPO / ".vllm-src" / "0.26.0" / "vllm").is_dir(), reason="no unpacked vLLM 0.26.0"
 )

@@ -24,6 +24,17 @@ when an earlier one failed (the failure, its exit status and its log's tail are 
             with each pass's o_proj + MLP recomputed in backward (train.json,
             train_recompute.json)
 
+SGLang's phases (docs/sglang.md; named only, never in the default list; after install):
+  sglang_install  scripts/gpu_sglang/install.sh (the set: --sglang-wheels) -> .gpu_sglang_venv
+  sglang_prepare  eagle3_smoke.py prepare: SmolLM2 as safetensors + an untrained EAGLE-3 draft
+  sglang_cotrain  cotrain.py --engine sglang for --cotrain-minutes -> <work>/sgl-cotrain/draft-final
+  sglang_checks   gpu_sglang/engine_checks.py: outputs against stock SGLang with and without
+                  speculation, capture against a fresh prefill, and (when the co-trained draft
+                  is there) swap and rollback (sglang_checks.json)
+  sglang_bench    eagle3_smoke.py run: SGLang plain, EAGLE-3 and EAGLE-3 with codraft's engine
+                  (plus DFlash with --dflash) with the co-trained draft, batches 1/8/32/64
+                  (sglang_eagle3.json); the vLLM side is `bench --draft <that draft>`
+
 Outputs, flat (a device call brings back at most 8 files: run the phases over several calls):
 <out>/run.log, summary.json, logs.tar.gz (every process's log) and each phase's report
 (checks.json, identity.json, cotrain.json + .png, scale.json + .png, bench.json + .png,
@@ -57,7 +68,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-PHASES = ("install", "env", "prepare", "checks", "identity", "cotrain", "scale", "bench", "train")
+VLLM_PHASES = ("install", "env", "prepare", "checks", "identity", "cotrain", "scale", "bench",
+               "train")  # fmt: skip
+SGLANG_PHASES = ("sglang_install", "sglang_prepare", "sglang_cotrain", "sglang_checks",
+                 "sglang_bench")  # fmt: skip
+PHASES = VLLM_PHASES + SGLANG_PHASES
 # Expected seconds on the H200 (engine start ~30-40 s each, first Triton JIT included), for the
 # budget check; cotrain adds its minutes.
 EXPECTED_S = {
@@ -70,9 +85,15 @@ EXPECTED_S = {
     "scale": 330,
     "bench": 240,
     "train": 240,
+    "sglang_install": 120,
+    "sglang_prepare": 45,
+    "sglang_cotrain": 200,  # its server's start (flashinfer's JIT the first time) and the learner
+    "sglang_checks": 330,  # three engines: plain, stock speculative, codraft serve
+    "sglang_bench": 420,
 }
 MIN_S = {"install": 20, "env": 10, "prepare": 20, "checks": 90, "identity": 90, "cotrain": 150,
-         "scale": 150, "bench": 150, "train": 60}  # fmt: skip
+         "scale": 150, "bench": 150, "train": 60, "sglang_install": 60, "sglang_prepare": 20,
+         "sglang_cotrain": 200, "sglang_checks": 200, "sglang_bench": 200}  # fmt: skip
 
 ENV_REPORT = r"""
 import importlib.metadata as md, json, os, platform, sys
@@ -170,7 +191,8 @@ class Run:
 
     def bundle_logs(self) -> None:
         files = sorted(self.logs.glob("*.log"))
-        for sub in ("cotrain", "identity", "bench", "scale", "checks", "train"):
+        for sub in ("cotrain", "identity", "bench", "scale", "checks", "train", "sgl-cotrain",
+                    "sgl-checks", "sgl-bench"):  # fmt: skip
             d = self.work / sub
             if d.is_dir():
                 files += sorted(d.glob("*.log")) + sorted(d.glob("*-arms/*.log"))
@@ -241,7 +263,8 @@ class Run:
         return env
 
     def phase(self, name: str) -> None:
-        expected = EXPECTED_S[name] + (60 * self.args.cotrain_minutes if name == "cotrain" else 0)
+        cotrain = name in ("cotrain", "sglang_cotrain")
+        expected = EXPECTED_S[name] + (60 * self.args.cotrain_minutes if cotrain else 0)
         left = self.left()
         rec: dict = {"started": now(), "expected_s": expected}
         self.summary["phases"][name] = rec
@@ -463,10 +486,82 @@ class Run:
         res["note"] = json.dumps({k: res.get(k) for k in ("train", "train_recompute")})
         return ("ok" if all(s == "ok" for s in statuses) else statuses[-1]), res
 
+    # ------------------------------------------------------------------ SGLang's phases
+    def _sglang(
+        self, name: str, cmd: list[str], timeout: float, report: Path | None
+    ) -> tuple[str, dict]:
+        """Run `cmd` with the SGLang venv's python; its report (if any) goes to --out."""
+        rc = self.sh(name, [self.args.sglang_python, *cmd], timeout)
+        res: dict = {"rc": rc}
+        if report is not None and report.is_file():
+            shutil.copy(report, self.out / report.name)
+            data = json.loads(report.read_text())
+            res["checks"] = data.get("checks")
+            res["note"] = json.dumps(data.get("checks") or data.get("ok"))
+        status = "mismatch" if rc == 1 and report and report.is_file() else self._status(rc)
+        return status, res
+
+    def do_sglang_install(self, left: float) -> tuple[str, dict]:
+        env = {**self.env, "CODRAFT_SGLANG_WHEELS": self.args.sglang_wheels,
+               "CODRAFT_WHEELS": os.environ.get("CODRAFT_WHEELS", ".gpu_wheels")}  # fmt: skip
+        rc = self.sh("sglang_install", ["bash", str(ROOT / "scripts/gpu_sglang/install.sh")],
+                     min(left, 400), env)  # fmt: skip
+        return self._status(rc), {"rc": rc, "note": self.tail("sglang_install", 1)}
+
+    def do_sglang_prepare(self, left: float) -> tuple[str, dict]:
+        cmd = [self.py, str(ROOT / "scripts/gpu_sglang/eagle3_smoke.py"), "prepare"]
+        rc = self.sh("sglang_prepare", [*cmd, "--work", str(self.work / "sgl")], min(left, 300))
+        return self._status(rc), {"rc": rc, "note": self.tail("sglang_prepare", 1)}
+
+    def do_sglang_cotrain(self, left: float) -> tuple[str, dict]:
+        minutes = min(self.args.cotrain_minutes, max(1.0, (left - EXPECTED_S[
+            "sglang_cotrain"]) / 60))  # fmt: skip
+        where = self.work / "sgl-cotrain"
+        cmd = [str(HERE / "cotrain.py"), "--engine", "sglang", "--minutes", f"{minutes:.1f}",
+               "--target", str(self.work / "sgl" / "target"), "--work", str(where),
+               "--engine-arg=--attention-backend", "--engine-arg=triton",
+               *shlex.split(self.args.cotrain_args)]  # fmt: skip
+        status, res = self._sglang("sglang_cotrain", cmd, max(left - 10, 60), None)
+        for f in ("cotrain.json", "cotrain.png"):
+            if (where / f).is_file():
+                shutil.copy(where / f, self.out / f"sglang_{f}")
+        report = where / "cotrain.json"
+        if report.is_file():
+            data = json.loads(report.read_text())
+            res["note"] = f"final draft v{data.get('final_draft_version')}"
+            res["final_draft_version"] = data.get("final_draft_version")
+        return status, {**res, "minutes": minutes}
+
+    def do_sglang_checks(self, left: float) -> tuple[str, dict]:
+        where = self.work / "sgl-checks"
+        cmd = [str(ROOT / "scripts/gpu_sglang/engine_checks.py"), "--work",
+               str(self.work / "sgl"), "--out", str(where)]  # fmt: skip
+        trained = self.work / "sgl-cotrain" / "draft-final"
+        if (trained / "config.json").is_file():
+            cmd += ["--trained", str(trained)]
+        cmd += shlex.split(self.args.checks_args)
+        return self._sglang("sglang_checks", cmd, max(left - 10, 30),
+                            where / "sglang_engine_checks.json")  # fmt: skip
+
+    def do_sglang_bench(self, left: float) -> tuple[str, dict]:
+        where = self.work / "sgl-bench"
+        cmd = [str(ROOT / "scripts/gpu_sglang/eagle3_smoke.py"), "run", "--work",
+               str(self.work / "sgl"), "--out", str(where), "--codraft",
+               "--attention-backend", "triton"]  # fmt: skip
+        draft = (
+            Path(self.args.draft) if self.args.draft else self.work / "sgl-cotrain" / "draft-final"
+        )
+        if (draft / "config.json").is_file():
+            cmd += ["--eagle3-draft", str(draft)]
+        if self.args.dflash:
+            cmd += ["--dflash", self.args.dflash]
+        cmd += shlex.split(self.args.bench_args)
+        return self._sglang("sglang_bench", cmd, max(left - 10, 30), where / "sglang_eagle3.json")
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {PHASES}")
+    p.add_argument("--phases", default=",".join(VLLM_PHASES), help=f"comma list of {PHASES}")
     p.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_run", help="(default $OUT)")
     p.add_argument("--work", default="runs/gpu_work", help="state kept between calls")
     p.add_argument("--python", default=None, help="the venv's python (default: .gpu_venv)")
@@ -487,6 +582,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale-args", default="", help="more bench_scale.py flags")
     p.add_argument("--train-tokens", default="16384,65536,131072", help="train: packed tokens")
     p.add_argument("--train-args", default="", help="more bench_cp_train.py flags")
+    p.add_argument("--sglang-wheels", default=".gpu_sglang_nofa3", help="the SGLang set's parts")
+    p.add_argument("--sglang-python", default=None, help="default: .gpu_sglang_venv's")
+    p.add_argument("--dflash", default=None, help="sglang_bench: also this DFlash draft")
     args = p.parse_args(argv)
     phases = [x for x in args.phases.split(",") if x]
     unknown = [x for x in phases if x not in PHASES]
@@ -496,6 +594,9 @@ def main(argv: list[str] | None = None) -> int:
     args.venv = (ROOT / os.environ.get("CODRAFT_GPU_VENV", ".gpu_venv")).absolute()
     if args.python is None:
         args.python = str(args.venv / "bin" / "python")
+    if args.sglang_python is None:
+        venv = os.environ.get("CODRAFT_SGLANG_VENV", ".gpu_sglang_venv")
+        args.sglang_python = str((ROOT / venv).absolute() / "bin" / "python")
     run = Run(args)
     run.log(f"codraft GPU run: phases {phases}, out {run.out}, work {run.work}, python {run.py}")
     overlap = args.overlap and {"identity", "cotrain"} <= set(phases)
