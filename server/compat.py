@@ -270,7 +270,7 @@ def serve_api(version: str | None = None) -> SimpleNamespace:
         )
         from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
 
-        no_signal_server: type = _no_signal_server()
+        quiet_server: type = no_signal_server()
     else:
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
@@ -286,7 +286,7 @@ def serve_api(version: str | None = None) -> SimpleNamespace:
             setup_server,
         )
 
-        no_signal_server = NoSignalServer
+        quiet_server = NoSignalServer
     return SimpleNamespace(
         build_async_engine_client=build_async_engine_client,
         build_app=build_app,
@@ -294,7 +294,7 @@ def serve_api(version: str | None = None) -> SimpleNamespace:
         setup_server=setup_server,
         create_server_socket=create_server_socket,
         serve_http=serve_http,
-        NoSignalServer=no_signal_server,
+        NoSignalServer=quiet_server,
         make_arg_parser=make_arg_parser,
         validate_parsed_serve_args=validate_parsed_serve_args,
         FlexibleArgumentParser=FlexibleArgumentParser,
@@ -302,7 +302,7 @@ def serve_api(version: str | None = None) -> SimpleNamespace:
     )
 
 
-def _no_signal_server() -> type:
+def no_signal_server() -> type:
     """uvicorn.Server without its own SIGINT/SIGTERM handlers (what 0.32's NoSignalServer is
     for a single worker): the caller's loop handlers stay in charge of shutdown."""
     import contextlib

@@ -115,10 +115,6 @@ class VersionHeaders:
         return max(found) if found else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # The cached versions' refresher (an automatic rollback, a policy update through the
-        # engine's own routes): started here too, as SGLang's app gives no hook before its first
-        # request; idempotent.
-        self.control.start()
         path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
         if scope["type"] != "http" or path not in VERSIONED_PATHS:
             await self.app(scope, receive, send)

@@ -58,7 +58,7 @@ def test_serve_api_resolves_on_the_installed_vllm() -> None:
         assert callable(getattr(api, name)), name
     assert hasattr(api.envs, "VLLM_HTTP_TIMEOUT_KEEP_ALIVE")
     # the 0.26 stand-in for NoSignalServer: a uvicorn server that leaves signals alone
-    server = compat._no_signal_server()(SimpleNamespace())
+    server = compat.no_signal_server()(SimpleNamespace())
     with server.capture_signals():
         pass
 

@@ -353,10 +353,8 @@ def test_serve_gives_sglang_its_view_of_the_draft_and_says_what_it_cannot_do(
         "--speculative-eagle-topk" in argv
         and argv[argv.index("--speculative-eagle-topk") + 1] == "1"
     )
-    assert (
-        len(unsupported(ServeConfig(engine="sglang", control_port=9000, weight_transfer="ipc")))
-        == 2
-    )
+    assert unsupported(ServeConfig(engine="sglang", control_port=9000)) == []
+    assert len(unsupported(ServeConfig(engine="sglang", weight_transfer="ipc"))) == 1
     # a DFlash draft: SGLang's DFlash reads codraft's folder as it is, a block per verification
     block = write_new_draft(tmp_path / "b", tiny_llama_dir, drafter="dflash", block_size=4)
     assert speculative_argv(block, tmp_path / "work", 3) == [
@@ -517,6 +515,121 @@ def test_codraft_serve_routes_reach_the_engine_over_its_control_socket(setup) ->
     finally:
         server.should_exit = True
         stop.set()
+
+
+def test_a_control_port_serves_the_control_routes_beside_sglangs_app(setup) -> None:
+    """--control-port: the control routes on their own port, served by a second server that
+    SGLang's app's lifespan runs (SGLang's own lifespan still runs inside it); the OpenAI port
+    keeps /ready, /metrics and the version headers and no longer answers the control routes;
+    both ports share one version cache (a swap shows in the next response's header); the
+    control server stops with the app. FastAPI + uvicorn on 127.0.0.1 stand in for SGLang's
+    HTTP server, a polling thread for its scheduler."""
+    import contextlib
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+    from fastapi import FastAPI
+
+    from codraft.client import CodraftClient
+    from codraft.server.api import ControlSettings
+    from codraft.server.serve import free_port
+    from codraft.server.sglang.serve import bind, engine_info, install_codraft
+
+    s = setup
+    ran = []
+
+    @contextlib.asynccontextmanager
+    async def sglang_lifespan(app):  # SGLang's app has one (its tokenizer manager's set-up)
+        ran.append("up")
+        yield
+        ran.append("down")
+
+    app = FastAPI(lifespan=sglang_lifespan)
+
+    @app.post("/v1/completions")
+    async def completions() -> dict:
+        return {"id": "cmpl-1", "choices": [{"text": "x"}]}
+
+    csock = bind("127.0.0.1", 0)
+    cport = csock.getsockname()[1]
+    control = install_codraft(app, s.control, None, ControlSettings(refresh_s=0.05), csock)
+    stop = threading.Event()
+
+    def scheduler() -> None:
+        while not stop.is_set():
+            s.engine.poll()
+            time.sleep(0.002)
+
+    threading.Thread(target=scheduler, daemon=True).start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base, cbase = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{cport}"
+    try:
+        control.draft_version = engine_info(s.control)["draft"]["version"]
+        client = CodraftClient(cbase)
+        client.wait_ready(timeout=30)
+        assert ran == ["up"]
+        assert httpx.get(f"{base}/ready").status_code == 200
+        assert httpx.get(f"{base}/v1/draft").status_code == 404  # not on the OpenAI port
+        v1 = write_new_draft(s.tmp / "v1", s.target, draft_vocab_size=DV, version=1, seed=1)
+        assert client.publish_draft(1, str(v1)).version == 1
+        r = httpx.post(f"{base}/v1/completions", json={})
+        assert r.headers["x-codraft-draft-version"] == "1"  # at once: one version cache
+        assert "codraft_draft_version 1.0" in httpx.get(f"{base}/metrics").text
+        client.close()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        stop.set()
+    assert ran == ["up", "down"]
+    with pytest.raises(httpx.ConnectError):  # the control server went with the app
+        httpx.get(f"{cbase}/ready", timeout=2)
+
+
+def test_serve_refuses_sglangs_multi_process_front_ends_and_binds_the_control_port_first(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """`codraft serve --engine sglang`'s start: SGLang's multi-process HTTP front ends (each
+    worker imports a fresh app, without codraft's routes) are refused with exit 2 before
+    anything starts; --control-port is bound before SGLang starts (a taken port: exit 2).
+    SGLang's parser and server are stood in (no SGLang here)."""
+    import importlib.util
+
+    from codraft.server.serve import free_port
+    from codraft.server.serve_config import ServeConfig
+    from codraft.server.sglang import serve
+    from codraft.server.sglang.engine import ENV
+
+    monkeypatch.setenv(ENV, "")  # main sets it for SGLang's scheduler; restored after
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: object() if n == "sglang" else real(n, *a)
+    )
+    front = SimpleNamespace(tokenizer_worker_num=1, enable_http2=False)
+    monkeypatch.setattr(serve, "parse_sglang_args", lambda argv: front)
+    started = []
+    monkeypatch.setattr(serve, "run", lambda *a: started.append(a))
+    draft = write_new_draft(tmp_path / "v0", tiny_llama_dir, draft_vocab_size=DV, version=0)
+
+    def cfg(**kw) -> ServeConfig:
+        return ServeConfig(engine="sglang", model=str(tiny_llama_dir), draft=str(draft),
+                           work_dir=str(tmp_path / "work"), resume_draft=False, **kw)  # fmt: skip
+
+    front.tokenizer_worker_num = 2
+    assert serve.main(cfg()) == 2 and not started
+    front.tokenizer_worker_num, front.enable_http2 = 1, True
+    assert serve.main(cfg()) == 2 and not started
+    front.enable_http2 = False
+    port = free_port()
+    assert serve.main(cfg(control_port=port)) == 0
+    csock = started[-1][-1]
+    assert csock.getsockname()[1] == port
+    assert serve.main(cfg(control_port=port)) == 2  # taken
+    csock.close()
 
 
 def test_on_a_gpu_the_engine_is_lossless_captures_exactly_and_swaps(tmp_path: Path) -> None:

@@ -103,7 +103,7 @@ ATTRIBUTES = {
     ("sglang.srt.managers.io_struct", "UpdateWeightsFromIPCReqOutput"): ("success",),
     ("sglang.srt.server_args", "ServerArgs"): (
         "model_path", "speculative_eagle_topk", "tp_size", "pp_size", "disable_radix_cache",
-        "add_cli_args", "from_cli_args",
+        "add_cli_args", "from_cli_args", "tokenizer_worker_num", "enable_http2",
     ),
 }  # fmt: skip
 

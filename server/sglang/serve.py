@@ -9,14 +9,17 @@ SGLang's HTTP server (`sglang.srt.entrypoints.http_server`, its OpenAI routes, s
 * codraft's engine in the scheduler process (codraft.server.sglang.plugin, enabled through the
   environment), reached over codraft's own control socket (codraft.server.sglang.rpc);
 * codraft's control routes (/v1/draft, /v1/draft/prepare, /v1/draft/rollback,
-  /v1/draft/digest, /v1/policy, /v1/tap), /ready and /metrics on the same port, in front of
-  SGLang's routes, and the X-Codraft-Draft-Version / X-Codraft-Policy-Version headers on
-  /v1/completions and /v1/chat/completions.
+  /v1/draft/digest, /v1/policy, /v1/tap) in front of SGLang's routes, or on a port of their own
+  with --control-port (a second server in SGLang's event loop, started and stopped with SGLang's
+  app); /ready and /metrics on the OpenAI port either way; the X-Codraft-Draft-Version /
+  X-Codraft-Policy-Version headers on /v1/completions and /v1/chat/completions.
 
-What the vLLM engine has and this one does not yet: a separate control port, vLLM's RL
-weight-sync routes, draft preparation in the background (`POST /v1/draft/prepare` reads and
-checks between two batches; a draft is small). Arguments `codraft serve` does not know go to
-SGLang's own parser (e.g. `--mem-fraction-static 0.5`). SGLang's admin routes
+What the vLLM engine has and this one does not yet: vLLM's RL weight-sync routes, draft
+preparation in the background (`POST /v1/draft/prepare` reads and checks between two batches;
+a draft is small). SGLang's multi-process HTTP front ends (--tokenizer-worker-num > 1, the
+HTTP/2 server) import a fresh app in each worker, without codraft's routes: refused.
+Arguments `codraft serve` does not know go to SGLang's own parser (e.g.
+`--mem-fraction-static 0.5`). SGLang's admin routes
 (/update_weights_from_tensor, /release_memory_occupation, /flush_cache, ...) stay SGLang's,
 guarded by its `--admin-api-key` when given (bind to loopback, the default, unless it is set);
 codraft counts their target updates as policy versions and keeps its draft out of them.
@@ -25,9 +28,12 @@ codraft counts their target updates as policy versions and keeps its draft out o
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import logging
 import os
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -97,8 +103,6 @@ def sglang_argv(cfg: ServeConfig, model: Path, speculative: list[str]) -> list[s
 def unsupported(cfg: ServeConfig) -> list[str]:
     """What `cfg` asks of the vLLM engine that the SGLang engine does not do."""
     out = []
-    if cfg.control_port is not None:
-        out.append("--control-port (the control routes are on the OpenAI port)")
     if cfg.weight_transfer is not None:
         out.append("--weight-transfer (vLLM's RL weight-sync routes)")
     return out
@@ -145,8 +149,30 @@ def main(cfg: ServeConfig) -> int:
         server_args = parse_sglang_args(sglang_argv(cfg, model, speculative))
     except SystemExit as e:  # SGLang's parser printed what it refused
         return int(e.code or 2)
-    run(cfg, server_args, token, endpoint, record_path(cfg.work_dir, model))
+    fronts = int(getattr(server_args, "tokenizer_worker_num", 1) or 1)
+    if fronts != 1 or getattr(server_args, "enable_http2", False):
+        print(
+            f"codraft serve --engine sglang: one HTTP process only (got --tokenizer-worker-num "
+            f"{fronts}{', --enable-http2' if getattr(server_args, 'enable_http2', False) else ''})"
+            ": SGLang's other front ends import a fresh app per worker, without codraft's routes",
+            file=sys.stderr,
+        )
+        return 2
+    csock = None
+    if cfg.control_port is not None:  # bound before the engine starts: a taken port fails fast
+        try:
+            csock = bind(cfg.effective_control_host, cfg.control_port)
+        except OSError as e:
+            print(f"codraft serve: control port {cfg.control_port}: {e}", file=sys.stderr)
+            return 2
+    run(cfg, server_args, token, endpoint, record_path(cfg.work_dir, model), csock)
     return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (IPv6 when host is an IPv6 address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
 
 
 def parse_sglang_args(argv: list[str]):
@@ -157,9 +183,14 @@ def parse_sglang_args(argv: list[str]):
     return ServerArgs.from_cli_args(parser.parse_args(argv))
 
 
-def install_codraft(app, endpoint: str, token: str | None, settings) -> EngineControl:
-    """Put codraft's control routes, /ready, /metrics and the version headers in front of
-    SGLang's app (`app`), talking to the engine in the scheduler over `endpoint`."""
+def install_codraft(
+    app, endpoint: str, token: str | None, settings, control_sock: socket.socket | None = None
+) -> EngineControl:
+    """Put /ready, /metrics, the version headers and (without `control_sock`) codraft's
+    control routes in front of SGLang's app (`app`), talking to the engine in the scheduler
+    over `endpoint`. With `control_sock` the control routes are served there, by a second
+    server that app's lifespan runs in the same event loop (one EngineControl: one swap lock,
+    one version cache for both ports)."""
     from codraft.server.api import CONTROL_PATHS, EngineControl
     from codraft.server.metrics import MetricsEndpoint
     from codraft.server.serve import Dispatch, VersionHeaders, build_control_app
@@ -167,9 +198,41 @@ def install_codraft(app, endpoint: str, token: str | None, settings) -> EngineCo
 
     control = EngineControl(RpcClient(endpoint), settings)
     capp = build_control_app(control, token, MetricsEndpoint(control))
-    app.add_middleware(Dispatch, side=capp, paths=frozenset(CONTROL_PATHS | {"/ready", "/metrics"}))
+    here = {"/ready", "/metrics"} | (set(CONTROL_PATHS) if control_sock is None else set())
+    app.add_middleware(Dispatch, side=capp, paths=frozenset(here))
     app.add_middleware(VersionHeaders, control=control)
+    app.router.lifespan_context = _lifespan(
+        app.router.lifespan_context, control, capp, control_sock
+    )
     return control
+
+
+def _lifespan(original, control: EngineControl, capp, control_sock: socket.socket | None):
+    """SGLang's app's lifespan with codraft's around it: the cached versions' refresher (to see
+    automatic rollbacks and policy updates through SGLang's own routes) and the control
+    port's server run while the app does."""
+    import uvicorn
+
+    from codraft.server.compat import no_signal_server
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        control.start()
+        server = task = None
+        if control_sock is not None:
+            config = uvicorn.Config(capp, lifespan="off", log_level="warning")
+            server = no_signal_server()(config)  # SGLang's server keeps the signals
+            task = asyncio.get_running_loop().create_task(server.serve(sockets=[control_sock]))
+        try:
+            async with original(app) as state:
+                yield state
+        finally:
+            if server is not None:
+                server.should_exit = True
+                await task
+            await control.stop()
+
+    return lifespan
 
 
 def engine_info(endpoint: str, timeout_s: float = 30.0) -> dict:
@@ -188,13 +251,25 @@ def engine_info(endpoint: str, timeout_s: float = 30.0) -> dict:
     return asyncio.run(ask())
 
 
-def run(cfg: ServeConfig, server_args, token: str | None, endpoint: str, record: Path) -> None:
+def run(
+    cfg: ServeConfig,
+    server_args,
+    token: str | None,
+    endpoint: str,
+    record: Path,
+    control_sock: socket.socket | None = None,
+) -> None:
     from sglang.srt.entrypoints import http_server
 
     from codraft.server.api import ControlSettings
 
     settings = ControlSettings(checkpoint_root=cfg.checkpoint_root, committed_file=str(record))
-    control = install_codraft(http_server.app, endpoint, token, settings)
+    control = install_codraft(http_server.app, endpoint, token, settings, control_sock)
+    where = (
+        f"control on http://{cfg.effective_control_host}:{control_sock.getsockname()[1]}"
+        if control_sock is not None
+        else "control here"
+    )
 
     def ready() -> None:  # SGLang's warm-up thread, once the server answers
         info = engine_info(endpoint)
@@ -202,7 +277,7 @@ def run(cfg: ServeConfig, server_args, token: str | None, endpoint: str, record:
         control.policy_version = (info.get("policy") or {}).get("version")
         print(
             f"codraft serve: OpenAI API on http://{cfg.host}:{cfg.port} (SGLang engine, draft "
-            f"v{control.draft_version}, control here)",
+            f"v{control.draft_version}, {where})",
             flush=True,
         )
 
