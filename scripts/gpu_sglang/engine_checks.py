@@ -76,8 +76,8 @@ def compare_capture(decoded: list[Any], fresh: list[Any], tol: float) -> dict[st
         id_mismatch += ta != tb
         tap_err.append(rel(xa, xb))
         last_err.append(rel(la, lb))
-        if p + 1 in b:  # the row one position on: what an off-by-one would compare
-            shifted.append(min(rel(xa, b[p + 1][1]), rel(la, b[p + 1][2])))
+        if p + 1 in b:  # the row one position on, all its layers: what an off-by-one gives
+            shifted.append(max(rel(xa, b[p + 1][1]), rel(la, b[p + 1][2])))
     worst = max(tap_err + last_err) if common else None
     median = sorted(tap_err + last_err)[len(common)] if common else None
     floor = min(shifted) if shifted else None
