@@ -11,6 +11,7 @@ the decoded messages, the control socket, and the draft written through a `load_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -449,21 +450,49 @@ def test_codraft_touches_sglang_where_sglang_0_5_17_has_it(sglang_wheel: Path, m
     assert "process_batch_result: positional parameters ['batch', 'result']" in problems[1]
 
 
+@contextlib.contextmanager
+def serving(s, app):
+    """`app` on 127.0.0.1 under uvicorn (SGLang's HTTP server's stand-in) and a thread polling
+    the engine between batches (its scheduler loop's); the base URL; both stopped at exit."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from codraft.server.serve import free_port
+
+    stop = threading.Event()
+
+    def scheduler() -> None:
+        while not stop.is_set():
+            s.engine.poll()
+            time.sleep(0.002)
+
+    threading.Thread(target=scheduler, daemon=True).start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        stop.set()
+
+
 def test_codraft_serve_routes_reach_the_engine_over_its_control_socket(setup) -> None:
     """`codraft serve --engine sglang`'s wiring with a real HTTP server on 127.0.0.1: a FastAPI
     app with one OpenAI route stands in for SGLang's, a thread polling the engine stands in
     for SGLang's scheduler loop; codraft's routes, client, socket and engine are the real ones.
     The learner's publish (prepare, staged, swap), the version header, auth, rollback, metrics."""
-    import threading
     import time
 
     import httpx
-    import uvicorn
     from fastapi import FastAPI
 
     from codraft.client import CodraftClient
     from codraft.server.api import ControlSettings
-    from codraft.server.serve import free_port
     from codraft.server.sglang.serve import engine_info, install_codraft
 
     s = setup
@@ -475,20 +504,8 @@ def test_codraft_serve_routes_reach_the_engine_over_its_control_socket(setup) ->
 
     token = "s3cret"
     control = install_codraft(app, s.control, token, ControlSettings(refresh_s=0.05))
-    stop = threading.Event()
-
-    def scheduler() -> None:
-        while not stop.is_set():
-            s.engine.poll()
-            time.sleep(0.002)
-
-    threading.Thread(target=scheduler, daemon=True).start()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    try:
+    with serving(s, app) as base:
         control.draft_version = engine_info(s.control)["draft"]["version"]  # as ready() does
-        base = f"http://127.0.0.1:{port}"
         client = CodraftClient(base, token=token)
         client.wait_ready(timeout=30)
         assert client.draft().version == 0
@@ -512,9 +529,6 @@ def test_codraft_serve_routes_reach_the_engine_over_its_control_socket(setup) ->
             time.sleep(0.05)
         assert policy == "1"
         client.close()
-    finally:
-        server.should_exit = True
-        stop.set()
 
 
 def test_a_control_port_serves_the_control_routes_beside_sglangs_app(setup) -> None:
@@ -525,16 +539,12 @@ def test_a_control_port_serves_the_control_routes_beside_sglangs_app(setup) -> N
     control server stops with the app. FastAPI + uvicorn on 127.0.0.1 stand in for SGLang's
     HTTP server, a polling thread for its scheduler."""
     import contextlib
-    import threading
-    import time
 
     import httpx
-    import uvicorn
     from fastapi import FastAPI
 
     from codraft.client import CodraftClient
     from codraft.server.api import ControlSettings
-    from codraft.server.serve import free_port
     from codraft.server.sglang.serve import bind, engine_info, install_codraft
 
     s = setup
@@ -553,22 +563,9 @@ def test_a_control_port_serves_the_control_routes_beside_sglangs_app(setup) -> N
         return {"id": "cmpl-1", "choices": [{"text": "x"}]}
 
     csock = bind("127.0.0.1", 0)
-    cport = csock.getsockname()[1]
+    cbase = f"http://127.0.0.1:{csock.getsockname()[1]}"
     control = install_codraft(app, s.control, None, ControlSettings(refresh_s=0.05), csock)
-    stop = threading.Event()
-
-    def scheduler() -> None:
-        while not stop.is_set():
-            s.engine.poll()
-            time.sleep(0.002)
-
-    threading.Thread(target=scheduler, daemon=True).start()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base, cbase = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{cport}"
-    try:
+    with serving(s, app) as base:
         control.draft_version = engine_info(s.control)["draft"]["version"]
         client = CodraftClient(cbase)
         client.wait_ready(timeout=30)
@@ -581,10 +578,6 @@ def test_a_control_port_serves_the_control_routes_beside_sglangs_app(setup) -> N
         assert r.headers["x-codraft-draft-version"] == "1"  # at once: one version cache
         assert "codraft_draft_version 1.0" in httpx.get(f"{base}/metrics").text
         client.close()
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        stop.set()
     assert ran == ["up", "down"]
     with pytest.raises(httpx.ConnectError):  # the control server went with the app
         httpx.get(f"{cbase}/ready", timeout=2)
