@@ -150,11 +150,13 @@ def main(cfg: ServeConfig) -> int:
     except SystemExit as e:  # SGLang's parser printed what it refused
         return int(e.code or 2)
     fronts = int(getattr(server_args, "tokenizer_worker_num", 1) or 1)
-    if fronts != 1 or getattr(server_args, "enable_http2", False):
+    http2 = bool(getattr(server_args, "enable_http2", False))
+    if fronts != 1 or http2:
         print(
-            f"codraft serve --engine sglang: one HTTP process only (got --tokenizer-worker-num "
-            f"{fronts}{', --enable-http2' if getattr(server_args, 'enable_http2', False) else ''})"
-            ": SGLang's other front ends import a fresh app per worker, without codraft's routes",
+            f"codraft serve --engine sglang: got --tokenizer-worker-num {fronts}"
+            f"{' and --enable-http2' if http2 else ''}; SGLang's multi-process HTTP front ends "
+            "import a fresh app per worker, without codraft's routes: serve with one HTTP "
+            "process (--tokenizer-worker-num 1, no --enable-http2)",
             file=sys.stderr,
         )
         return 2
@@ -237,8 +239,6 @@ def _lifespan(original, control: EngineControl, capp, control_sock: socket.socke
 
 def engine_info(endpoint: str, timeout_s: float = 30.0) -> dict:
     """codraft_info from a thread outside the serving event loop (SGLang's warm-up thread)."""
-    import asyncio
-
     from codraft.server.sglang.rpc import RpcClient
 
     async def ask() -> dict:
