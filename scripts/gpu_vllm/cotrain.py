@@ -18,8 +18,9 @@ What scripts/demo.py does on a CPU, for the GPU run (no reasoning-gym, no openai
         --out "$OUT"
 
 With `--engine sglang` (run in the SGLang venv, `--target` a prepared folder) the server is
-`codraft serve --engine sglang` (codraft.server.sglang.serve: control routes on the OpenAI
-port; --gpu-mem is SGLang's --mem-fraction-static, --max-num-seqs its --max-running-requests).
+`codraft serve --engine sglang` (codraft.server.sglang.serve; the control routes on their own
+port, as with vLLM; --gpu-mem is SGLang's --mem-fraction-static, --max-num-seqs its
+--max-running-requests).
 
 Exit status 0 when a trained draft (version > 0) was published and copied, 1 otherwise.
 """
@@ -230,15 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     final = None
     try:
         print(f"[cotrain] codraft serve (log {work / 'server.log'})", flush=True)
-        if args.engine == "sglang":  # control routes on the OpenAI port
-            cport = port
+        if args.engine == "sglang":
             engine = ["--engine", "sglang", "--mem-fraction-static", str(args.gpu_mem),
                       "--max-running-requests", str(args.max_num_seqs)]  # fmt: skip
         else:
-            engine = ["--control-port", str(cport), "--gpu-memory-utilization", str(args.gpu_mem),
+            engine = ["--gpu-memory-utilization", str(args.gpu_mem),
                       "--max-num-seqs", str(args.max_num_seqs)]  # fmt: skip
         server = _spawn(
-            ["serve", "--model", str(model), "--port", str(port), *engine,
+            ["serve", "--model", str(model), "--port", str(port), "--control-port", str(cport),
+             *engine,
              "--control-token-file", str(token_file), "--tap-endpoint", f"tcp://127.0.0.1:{tap}",
              "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
              "--num-speculative-tokens", str(args.k), "--work-dir", str(work / "server"),
