@@ -120,13 +120,10 @@ class DraftSwapper:
         self._stage_into(initial, snapshot=True)
 
     # ------------------------------------------------------------------ prepare
-    def _check_newer(self, version: int) -> None:
-        check_newer(version, self.highest, self.current.version)
-
     def _new_staging(self, path: Any, version: Any, sha256: Any) -> Staging:
         path, version, sha256 = check_load_args(path, version, sha256)
         if version is not None:
-            self._check_newer(version)
+            check_newer(version, self.highest, self.current.version)
         if not os.path.exists(path):
             raise SwapError(404, f"draft checkpoint not found: {path} does not exist")
         staging = Staging(uuid.uuid4().hex, path, version, sha256, file_identity(path))
@@ -155,7 +152,7 @@ class DraftSwapper:
                 if self._superseded(st):
                     raise SwapError(409, "superseded by a newer prepare")
                 if st.version is None:
-                    self._check_newer(slot.version)
+                    check_newer(slot.version, self.highest, self.current.version)
                 self._stage_into(slot)
                 t2 = time.perf_counter()
                 opened.verify()  # the sha256, computed meanwhile
@@ -273,7 +270,8 @@ class DraftSwapper:
             Path(st.path), st.slot.version, st.slot.sha256, st.want.get("version"),
             st.want.get("sha256"),
         )  # fmt: skip
-        self._check_newer(st.slot.version)  # a swap may have happened since the prepare
+        # a swap may have happened since the prepare
+        check_newer(st.slot.version, self.highest, self.current.version)
         t0 = time.perf_counter()
         self.switch_to(st.slot)
         timing = {**st.timing, "install_ms": 1e3 * (time.perf_counter() - t0)}

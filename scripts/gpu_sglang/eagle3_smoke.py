@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         report["sglang"] = sglang.__version__
         prompts = heldout_prompt_ids(work / "target")
         base = {
-            "model_path": str(work / "target"), "dtype": args.dtype, "random_seed": 0,
+            "model_path": str(work / "target"), "dtype": "bfloat16", "random_seed": 0,
             "mem_fraction_static": args.mem_fraction, "attention_backend": args.attention_backend,
             "disable_cuda_graph": args.no_cuda_graph, "log_level": "warning",
         }  # fmt: skip
@@ -283,7 +283,6 @@ def main() -> int:
     pr.add_argument("--mem-fraction", type=float, default=0.3)
     pr.add_argument("--attention-backend", default="flashinfer", help="fa3, flashinfer, triton")
     pr.add_argument("--no-cuda-graph", action="store_true")
-    pr.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32 (exact comparisons)")
     pr.add_argument("--dflash", default=None, help="also a DFlash arm with this draft folder")
     pr.add_argument("--eagle3-draft", default=None, help="codraft EAGLE-3 draft (--work/draft)")
     pr.add_argument(

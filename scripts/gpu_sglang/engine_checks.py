@@ -111,10 +111,6 @@ def main() -> int:
         "untrained EAGLE-3 one; a DFlash folder runs SGLang's DFlash)",
     )
     p.add_argument("--k", type=int, default=3, help="EAGLE-3 drafts per step")
-    p.add_argument(
-        "--dtype", default="bfloat16",
-        help="both engines' (float32: speculation's other kernels shift no greedy choice)",
-    )  # fmt: skip
     p.add_argument("--trained", default=None, help="a newer checkpoint of the same kind")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -130,7 +126,7 @@ def main() -> int:
 
     from codraft.client import CodraftClient
     from codraft.server.serve import free_port
-    from codraft.server.sglang.serve import speculative_argv
+    from codraft.server.sglang.serve import parse_sglang_args, speculative_argv
 
     work, out = Path(args.work).resolve(), Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -143,16 +139,16 @@ def main() -> int:
     checks: dict[str, bool] = {}
 
     def reference(speculative: list[str] = ()) -> list[list[int]]:
-        """Stock SGLang's greedy outputs; `speculative`: its speculative arguments."""
+        """Stock SGLang's greedy outputs; `speculative`: its speculative arguments (bf16: SGLang's
+        kernels have no float32 RMSNorm)."""
         import sglang
 
-        spec = dict(zip(speculative[::2], speculative[1::2], strict=True))
-        engine = sglang.Engine(
-            model_path=str(target), dtype=args.dtype, random_seed=0, log_level="warning",
-            mem_fraction_static=args.mem_fraction, attention_backend=args.attention_backend,
-            **{k.removeprefix("--").replace("-", "_"): int(v) if v.isdigit() else v
-               for k, v in spec.items()},
-        )  # fmt: skip
+        server_args = parse_sglang_args([
+            "--model-path", str(target), "--dtype", "bfloat16", "--random-seed", "0",
+            "--log-level", "warning", "--mem-fraction-static", str(args.mem_fraction),
+            "--attention-backend", args.attention_backend, *speculative,
+        ])  # fmt: skip
+        engine = sglang.Engine(server_args=server_args)
         try:
             return [
                 list(o["output_ids"])
@@ -176,7 +172,7 @@ def main() -> int:
         env = {**os.environ, "CODRAFT_CONTROL_TOKEN": token}
         server = subprocess.Popen(
             [sys.executable, "-m", "codraft.cli", "serve", "--engine", "sglang",
-             "--model", str(target), "--port", str(port), "--dtype", args.dtype,
+             "--model", str(target), "--port", str(port), "--dtype", "bfloat16",
              "--tap-endpoint", sink.endpoint, "--work-dir", str(work / "serve"),
              "--no-resume-draft", "--mem-fraction-static", str(args.mem_fraction),
              "--attention-backend", args.attention_backend, "--disable-radix-cache",

@@ -514,8 +514,8 @@ class Run:
         return self._status(rc), {"rc": rc, "note": self.tail("sglang_prepare", 1)}
 
     def do_sglang_cotrain(self, left: float) -> tuple[str, dict]:
-        minutes = min(self.args.cotrain_minutes, max(1.0, (left - EXPECTED_S[
-            "sglang_cotrain"]) / 60))  # fmt: skip
+        room = (left - EXPECTED_S["sglang_cotrain"]) / 60
+        minutes = min(self.args.cotrain_minutes, max(1.0, room))
         where = self.work / "sgl-cotrain"
         cmd = [str(HERE / "cotrain.py"), "--engine", "sglang", "--minutes", f"{minutes:.1f}",
                "--target", str(self.work / "sgl" / "target"), "--work", str(where),
