@@ -429,19 +429,20 @@ class Run:
             res["note"] = json.dumps(data.get("vs_plain"))
         return self._status(rc), res
 
-    def do_cotrain(self, left: float) -> tuple[str, dict]:
+    def _cotrain(self, name: str, left: float, cmd: list[str], where: Path) -> tuple[str, dict]:
+        """cotrain.py (`cmd`: interpreter and script; minutes and --work added here) for as long
+        as fits; its report and plot to --out (named after the phase)."""
         minutes = self.args.cotrain_minutes
-        room = (left - EXPECTED_S["cotrain"]) / 60
+        room = (left - EXPECTED_S[name]) / 60
         if room < minutes:
             minutes = max(1.0, round(room, 1))
-            self.log(f"[cotrain] {self.args.cotrain_minutes:g} min do not fit: {minutes:g} min")
-        where = self.work / "cotrain"
-        cmd = [self.py, str(HERE / "cotrain.py"), "--minutes", str(minutes), "--work", str(where)]
-        cmd += ["--dtype", self.args.dtype, *shlex.split(self.args.cotrain_args)]
-        rc = self.sh("cotrain", cmd, max(left - 10, 60))
+            self.log(f"[{name}] {self.args.cotrain_minutes:g} min do not fit: {minutes:g} min")
+        cmd = [*cmd, "--minutes", str(minutes), "--work", str(where)]
+        rc = self.sh(name, [*cmd, *shlex.split(self.args.cotrain_args)], max(left - 10, 60))
+        prefix = "" if name == "cotrain" else "sglang_"
         for f in ("cotrain.json", "cotrain.png"):
             if (where / f).is_file():
-                shutil.copy(where / f, self.out / f)
+                shutil.copy(where / f, self.out / f"{prefix}{f}")
         res: dict = {"rc": rc, "minutes": minutes}
         report = where / "cotrain.json"
         if report.is_file():
@@ -450,6 +451,10 @@ class Run:
             res.update({k: data.get(k) for k in keys if data.get(k) is not None})
             res["note"] = f"final draft v{data.get('final_draft_version')}"
         return self._status(rc), res
+
+    def do_cotrain(self, left: float) -> tuple[str, dict]:
+        cmd = [self.py, str(HERE / "cotrain.py"), "--dtype", self.args.dtype]
+        return self._cotrain("cotrain", left, cmd, self.work / "cotrain")
 
     def do_bench(self, left: float) -> tuple[str, dict]:
         extra = ["--dtype", self.args.dtype]
@@ -487,18 +492,16 @@ class Run:
         return ("ok" if all(s == "ok" for s in statuses) else statuses[-1]), res
 
     # ------------------------------------------------------------------ SGLang's phases
-    def _sglang(
-        self, name: str, cmd: list[str], timeout: float, report: Path | None
-    ) -> tuple[str, dict]:
-        """Run `cmd` with the SGLang venv's python; its report (if any) goes to --out."""
+    def _sglang(self, name: str, cmd: list[str], timeout: float, report: Path) -> tuple[str, dict]:
+        """Run `cmd` with the SGLang venv's python; its report goes to --out."""
         rc = self.sh(name, [self.args.sglang_python, *cmd], timeout)
         res: dict = {"rc": rc}
-        if report is not None and report.is_file():
+        if report.is_file():
             shutil.copy(report, self.out / report.name)
             data = json.loads(report.read_text())
             res["checks"] = data.get("checks")
             res["note"] = json.dumps(data.get("checks") or data.get("ok"))
-        status = "mismatch" if rc == 1 and report and report.is_file() else self._status(rc)
+        status = "mismatch" if rc == 1 and report.is_file() else self._status(rc)
         return status, res
 
     def do_sglang_install(self, left: float) -> tuple[str, dict]:
@@ -514,23 +517,10 @@ class Run:
         return self._status(rc), {"rc": rc, "note": self.tail("sglang_prepare", 1)}
 
     def do_sglang_cotrain(self, left: float) -> tuple[str, dict]:
-        room = (left - EXPECTED_S["sglang_cotrain"]) / 60
-        minutes = min(self.args.cotrain_minutes, max(1.0, room))
-        where = self.work / "sgl-cotrain"
-        cmd = [str(HERE / "cotrain.py"), "--engine", "sglang", "--minutes", f"{minutes:.1f}",
-               "--target", str(self.work / "sgl" / "target"), "--work", str(where),
-               "--engine-arg=--attention-backend", "--engine-arg=triton",
-               *shlex.split(self.args.cotrain_args)]  # fmt: skip
-        status, res = self._sglang("sglang_cotrain", cmd, max(left - 10, 60), None)
-        for f in ("cotrain.json", "cotrain.png"):
-            if (where / f).is_file():
-                shutil.copy(where / f, self.out / f"sglang_{f}")
-        report = where / "cotrain.json"
-        if report.is_file():
-            data = json.loads(report.read_text())
-            res["note"] = f"final draft v{data.get('final_draft_version')}"
-            res["final_draft_version"] = data.get("final_draft_version")
-        return status, {**res, "minutes": minutes}
+        cmd = [self.args.sglang_python, str(HERE / "cotrain.py"), "--engine", "sglang",
+               "--target", str(self.work / "sgl" / "target"),
+               "--engine-arg=--attention-backend", "--engine-arg=triton"]  # fmt: skip
+        return self._cotrain("sglang_cotrain", left, cmd, self.work / "sgl-cotrain")
 
     def do_sglang_checks(self, left: float) -> tuple[str, dict]:
         where = self.work / "sgl-checks"
