@@ -159,21 +159,23 @@ print(f"imported {len(mods) - len(failed)}/{len(mods)} serving modules in {time.
 raise SystemExit(1 if failed else 0)
 EOF
 # ---------------------------------------------------------------- 5. codraft itself
-# this checkout importable there with its entry points (the `sglang.srt.plugins` one is codraft's
-# SGLang engine, enabled only by `codraft serve --engine sglang`)
-# codraft's own requirements: the SGLang set or the image has them; a missing one comes from
-# the vLLM set's wheels when those are here too (pip resolves among local wheels only)
-MISSING=$("$PY" -c 'import importlib.util
-mods = {"msgpack": "msgpack", "zmq": "pyzmq", "httpx": "httpx", "safetensors": "safetensors",
-        "prometheus_client": "prometheus-client", "yaml": "pyyaml", "tqdm": "tqdm",
-        "fastapi": "fastapi", "uvicorn": "uvicorn", "pydantic": "pydantic"}
-print(" ".join(d for m, d in mods.items() if importlib.util.find_spec(m) is None))')
+# codraft's own requirements (pyproject.toml): the SGLang set or the image has them; a missing
+# one comes from the vLLM set's wheels when those are here too (pip resolves among local wheels)
+MISSING=$("$PY" -c 'import importlib.metadata as md, re, tomllib
+for req in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
+    name = re.match(r"[A-Za-z0-9_.-]+", req).group()
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        print(name)')
 if [ -n "$MISSING" ]; then
-    echo "codraft needs, not in the SGLang venv: $MISSING (from ${CODRAFT_WHEELS:-.gpu_wheels}/whl)"
+    echo "codraft needs, not in the SGLang venv:" $MISSING "(from ${CODRAFT_WHEELS:-.gpu_wheels}/whl)"
     # shellcheck disable=SC2086  # one word per requirement
     "${PIP[@]}" install --no-index --no-compile --disable-pip-version-check -q \
         --find-links "${CODRAFT_WHEELS:-.gpu_wheels}/whl" --find-links "$WHL" $MISSING
 fi
+# this checkout importable there with its entry points (the `sglang.srt.plugins` one is codraft's
+# SGLang engine, enabled only by `codraft serve --engine sglang`)
 "$PY" scripts/gpu_vllm/link_codraft.py
 "$PY" -c 'import codraft.server.sglang.plugin, codraft.cli; print("codraft importable")'
 echo "installed: $PY  (sglang serve / python -m sglang.launch_server with that interpreter)"
