@@ -13,8 +13,9 @@ Two steps, in two environments (the SGLang venv holds no codraft):
 
 `run` starts `sglang.Engine` in turn without speculation, with EAGLE-3 (k = 3 steps, top-1, 4
 draft tokens; --eagle3-draft DIR, default the prepared one), with `--codraft` the same EAGLE-3
-engine with codraft's engine inside (codraft.server.sglang: capture, tap on to a sink, radix
-cache off) and, with `--dflash DIR`, with SGLang's DFlash and that draft; each one warms up at
+engine with codraft's engine inside (codraft.server.sglang: capture, tap on to a sink) and,
+with `--dflash DIR`, with SGLang's DFlash and that draft, every arm with the radix cache off (as
+codraft's full tap needs, and as the vLLM sweep runs without prefix caching); each one warms up at
 every batch size, then runs batches of 1, 8, 32, 64 greedy requests of --max-tokens tokens
 (ignore_eos) on the 64 held-out questions, chat template applied: the method and prompts of
 scripts/gpu_vllm/bench_serving.py, so the figures stand beside codraft's vLLM engine's. Per arm
@@ -223,6 +224,9 @@ def run(args: argparse.Namespace) -> int:
             "model_path": str(work / "target"), "dtype": "bfloat16", "random_seed": 0,
             "mem_fraction_static": args.mem_fraction, "attention_backend": args.attention_backend,
             "disable_cuda_graph": args.no_cuda_graph, "log_level": "warning",
+            # every arm computes every prompt, as codraft's full tap needs (and as the vLLM
+            # sweep runs without prefix caching): timings and outputs compare like for like
+            "disable_radix_cache": True,
         }  # fmt: skip
         draft = Path(args.eagle3_draft or work / "draft").resolve()
         spec = {
@@ -241,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
             sink = TapSink()
             control = f"ipc://{work}/codraft-control"
             settings = Settings(str(draft), control, EngineConfig(tap_endpoint=sink.endpoint))
-            arms["eagle3-codraft"] = {**base, **spec, "disable_radix_cache": True}
+            arms["eagle3-codraft"] = {**base, **spec}
             envs["eagle3-codraft"] = {ENV: settings.to_env()}
         if args.dflash:  # a trained codraft DFlash draft (z-lab's format, which SGLang reads)
             block = json.loads((Path(args.dflash) / "config.json").read_text())["block_size"]
@@ -253,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
             if args.codraft:  # the same with codraft's engine inside
                 settings = Settings(str(Path(args.dflash).resolve()), control,
                                     EngineConfig(tap_endpoint=sink.endpoint))  # fmt: skip
-                arms["dflash-codraft"] = {**arms["dflash"], "disable_radix_cache": True}
+                arms["dflash-codraft"] = dict(arms["dflash"])
                 envs["dflash-codraft"] = {ENV: settings.to_env()}
         batches = [int(b) for b in args.batches.split(",")]
         results = {n: arm(stages, n, kw, prompts, args.max_tokens, batches, envs.get(n))
@@ -287,7 +291,7 @@ def main() -> int:
     pr.add_argument("--eagle3-draft", default=None, help="codraft EAGLE-3 draft (--work/draft)")
     pr.add_argument(
         "--codraft", action="store_true",
-        help="also the EAGLE-3 arm with codraft's engine in SGLang, tap on (radix cache off)",
+        help="also the EAGLE-3 arm with codraft's engine in SGLang, tap on",
     )  # fmt: skip
     args = p.parse_args()
     return prepare(args) if args.step == "prepare" else run(args)

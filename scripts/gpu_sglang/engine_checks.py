@@ -140,13 +140,15 @@ def main() -> int:
 
     def reference(speculative: list[str] = ()) -> list[list[int]]:
         """Stock SGLang's greedy outputs; `speculative`: its speculative arguments (bf16: SGLang's
-        kernels have no float32 RMSNorm)."""
+        kernels have no float32 RMSNorm). The radix cache off, as in codraft's server below:
+        a prefix served from the cache is computed by other kernels, which moves bf16 ties."""
         import sglang
 
         server_args = parse_sglang_args([
             "--model-path", str(target), "--dtype", "bfloat16", "--random-seed", "0",
             "--log-level", "warning", "--mem-fraction-static", str(args.mem_fraction),
-            "--attention-backend", args.attention_backend, *speculative,
+            "--attention-backend", args.attention_backend, "--disable-radix-cache",
+            *speculative,
         ])  # fmt: skip
         engine = sglang.Engine(server_args=server_args)
         try:
