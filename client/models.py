@@ -46,6 +46,9 @@ class DraftInfo(_Reply):
     tap_layers: list[int] = Field(default_factory=list)
     previous_version: int | None = None
     highest_version: int | None = None  # a new draft's version must exceed it (409 otherwise)
+    # True: the engine keeps the vocabulary map (d2t) it started with (SGLang), and a new draft
+    # must carry the serving draft's; absent or False: a draft may bring its own (vLLM).
+    vocab_map_fixed: bool | None = None
     acceptance: Acceptance | None = None
 
 

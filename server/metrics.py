@@ -20,7 +20,8 @@ Metrics (counters carry the `_total` suffix in the exposition):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -131,11 +132,38 @@ class CodraftCollector(Collector):
             yield GaugeMetricFamily("codraft_policy_version", "loaded policy", value=policy)
 
 
-class MetricsEndpoint:
-    """Renders vLLM's registry followed by codraft's own (refreshed from the engine first)."""
+def vllm_registry() -> CollectorRegistry:
+    """vLLM's own metrics registry (imported at scrape time: vLLM sets it up as the engine
+    starts)."""
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
 
-    def __init__(self, control: EngineControl) -> None:
+    return get_prometheus_registry()
+
+
+def sglang_registry() -> CollectorRegistry | None:
+    """SGLang's metrics (written by its processes to PROMETHEUS_MULTIPROC_DIR when it runs with
+    --enable-metrics); None without them."""
+    where = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not where or not os.path.isdir(where):
+        return None
+    from prometheus_client import multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    return registry
+
+
+class MetricsEndpoint:
+    """Renders the engine's registry (`engine_registry`: vLLM's, SGLang's, or none) followed by
+    codraft's own (refreshed from the engine first)."""
+
+    def __init__(
+        self,
+        control: EngineControl,
+        engine_registry: Callable[[], CollectorRegistry | None] = vllm_registry,
+    ) -> None:
         self.control = control
+        self.engine_registry = engine_registry
         self.collector = CodraftCollector(control.header_sources)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
@@ -158,9 +186,9 @@ class MetricsEndpoint:
 
     async def handle(self, request: Request) -> Response:
         await self.refresh()
-        from vllm.v1.metrics.prometheus import get_prometheus_registry
-
-        body = generate_latest(get_prometheus_registry()) + generate_latest(self.registry)
+        engine = self.engine_registry()
+        body = generate_latest(engine) if engine is not None else b""
+        body += generate_latest(self.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 

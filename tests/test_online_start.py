@@ -106,3 +106,37 @@ def test_a_dflash_server_gets_a_dflash_draft(target, tmp_path) -> None:
     assert isinstance(fresh, DFlashDraft) and not _same(fresh, served)
     c = fresh.config
     assert (c.block_size, c.tap_layers, c.mask_token_id) == (6, (1, 3), 3)
+
+
+def test_a_server_that_keeps_its_vocabulary_map_gets_new_drafts_with_that_map(
+    target, tmp_path
+) -> None:
+    """SGLang samples with the token map (d2t) of the draft it started with and refuses any
+    other (GET /v1/draft says `vocab_map_fixed`): a new draft for it keeps the serving draft's
+    map, with new weights; for vLLM (no flag) the map comes from the buffer, which here (empty)
+    is another map, so the test tells the two apart."""
+    from codraft.draft.checkpoint import load_draft
+    from codraft.draft.vocab import build_draft_vocab
+
+    tcfg = TargetConfig.from_pretrained(target)
+    cfg = DraftConfig.from_target(tcfg, draft_vocab_size=64, dtype="bfloat16")
+    served = Eagle3Draft(cfg)
+    counts = torch.zeros(tcfg.vocab_size, dtype=torch.int64)
+    counts[torch.randperm(tcfg.vocab_size, generator=torch.Generator().manual_seed(3))[:64]] = 5
+    served.set_vocab(*build_draft_vocab(counts, 64))  # scattered ids, not the first 64
+    save_draft(tmp_path / "served", served, DraftMeta(version=0, counters={"step": 0}))
+    served, _ = load_draft(tmp_path / "served")
+
+    fixed = _learner(target, tmp_path / "a")
+    fixed.serving_vocab_fixed = True  # as _serving_config sets it from the server's answer
+    draft = fixed._first_draft(cfg, tmp_path / "served")
+    assert torch.equal(draft.d2t, served.d2t) and torch.equal(draft.t2d, served.t2d)
+    assert not torch.equal(draft.fc.weight, served.fc.weight.float())  # new weights
+
+    free = _learner(target, tmp_path / "b")._first_draft(cfg, tmp_path / "served")
+    assert not torch.equal(free.d2t, served.d2t)
+
+    lost = _learner(target, tmp_path / "c")
+    lost.serving_vocab_fixed = True
+    with pytest.raises(RuntimeError, match="vocab_map_fixed"):
+        lost._first_draft(cfg, None)

@@ -481,11 +481,13 @@ def serving(s, app):
         stop.set()
 
 
-def test_codraft_serve_routes_reach_the_engine_over_its_control_socket(setup) -> None:
+def test_codraft_serve_routes_reach_the_engine_over_its_control_socket(setup, monkeypatch) -> None:
     """`codraft serve --engine sglang`'s wiring with a real HTTP server on 127.0.0.1: a FastAPI
     app with one OpenAI route stands in for SGLang's, a thread polling the engine stands in
     for SGLang's scheduler loop; codraft's routes, client, socket and engine are the real ones.
-    The learner's publish (prepare, staged, swap), the version header, auth, rollback, metrics."""
+    The learner's publish (prepare, staged, swap), the version header, auth, rollback, metrics
+    (in a process without vLLM, as SGLang's venv is: vLLM is made unimportable here)."""
+    import sys
     import time
 
     import httpx
@@ -502,13 +504,16 @@ def test_codraft_serve_routes_reach_the_engine_over_its_control_socket(setup) ->
     async def completions() -> dict:
         return {"id": "cmpl-1", "choices": [{"text": "x"}]}
 
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")] + ["vllm"]:
+        monkeypatch.setitem(sys.modules, name, None)  # `import vllm...` raises ImportError
     token = "s3cret"
     control = install_codraft(app, s.control, token, ControlSettings(refresh_s=0.05))
     with serving(s, app) as base:
         control.draft_version = engine_info(s.control)["draft"]["version"]  # as ready() does
         client = CodraftClient(base, token=token)
         client.wait_ready(timeout=30)
-        assert client.draft().version == 0
+        served = client.draft()
+        assert served.version == 0 and served.vocab_map_fixed is True  # the learner keeps d2t
         v1 = write_new_draft(s.tmp / "v1", s.target, draft_vocab_size=DV, version=1, seed=1)
         assert client.publish_draft(1, str(v1)).version == 1
         r = httpx.post(f"{base}/v1/completions", json={})

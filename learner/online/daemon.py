@@ -138,6 +138,7 @@ class OnlineLearner:
         self.publishing = PublishThread(self._timed_publish) if background else None
         self.metrics = LearnerMetrics()
         self.buffer = SampleBuffer(cfg.buffer, seed=cfg.train.seed)
+        self.serving_vocab_fixed = False  # set from the serving draft's info (GET /v1/draft)
         # ids-only messages need a learner that runs the target (--recompute, --pp); any
         # other refuses them at ingest, counted under "mode", instead of failing its step
         recomputes = self.pipelined or cfg.train.recompute
@@ -333,6 +334,7 @@ class OnlineLearner:
             log.warning("cannot read the serving draft yet: %s", e)
             return None, None
         self.metrics.serving_version.set(info.version or 0)
+        self.serving_vocab_fixed = bool(info.vocab_map_fixed)
         if not info.path or not Path(info.path).is_dir():
             return None, None
         try:
@@ -426,14 +428,14 @@ class OnlineLearner:
         learner that lost its volume, or joins a server already serving a good draft, goes on
         from there instead of training up to it again), else a new draft."""
         if not self.cfg.warm_start or path is None or serving_cfg is None:
-            return self._new_draft(serving_cfg)
+            return self._new_draft(serving_cfg, path)
         try:
             served, meta = load_draft(path)
         except (DraftCheckpointError, ValueError) as e:
             log.warning("cannot start from the serving draft: %s; a new draft instead", e)
-            return self._new_draft(serving_cfg)
+            return self._new_draft(serving_cfg, path)
         if meta.counters.get("step", 1) == 0:
-            return self._new_draft(serving_cfg)  # never trained: a vocabulary from the buffer
+            return self._new_draft(serving_cfg, path)  # never trained: new weights
         fp32 = replace(serving_cfg, dtype="float32")
         draft = DFlashDraft(fp32) if isinstance(fp32, DFlashConfig) else Eagle3Draft(fp32)
         draft.load_state_dict(served.state_dict(), strict=True)
@@ -441,8 +443,12 @@ class OnlineLearner:
                  self.cfg.out, meta.version, path)  # fmt: skip
         return draft
 
-    def _new_draft(self, serving_cfg: AnyDraftConfig | None) -> Eagle3Draft | DFlashDraft:
-        """A new draft of the serving draft's kind and shape (without one: of --drafter's)."""
+    def _new_draft(
+        self, serving_cfg: AnyDraftConfig | None, serving_path: Path | None = None
+    ) -> Eagle3Draft | DFlashDraft:
+        """A new draft of the serving draft's kind and shape (without one: of --drafter's); its
+        vocabulary the most frequent tokens in the buffer, or the serving draft's where the
+        engine keeps the map it started with (`vocab_map_fixed`, SGLang)."""
         t = self.cfg.train
         kind = serving_cfg.kind if serving_cfg is not None else t.drafter
         if kind == "dflash":
@@ -464,6 +470,11 @@ class OnlineLearner:
                 tap_layers=t.tap_layers,
                 dtype="float32",
             )
+        if self.serving_vocab_fixed and serving_cfg is not None and not cfg.full_vocab:
+            torch.manual_seed(t.seed)
+            draft = Eagle3Draft(cfg)
+            draft.set_vocab(*self._serving_vocab(serving_path))
+            return draft
         counts = torch.zeros(self.target_config.vocab_size, dtype=torch.int64)
         for s in self.buffer.all_samples():
             ids = s.token_ids.to(torch.int64)[s.loss_mask.bool()]
@@ -472,6 +483,22 @@ class OnlineLearner:
         draft = Eagle3Draft(cfg)
         draft.set_vocab(*build_draft_vocab(counts, cfg.draft_vocab_size))
         return draft
+
+    def _serving_vocab(self, path: Path | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The serving draft's (d2t, t2d), which a draft for an engine with a fixed vocabulary
+        map must keep (the engine refuses any other)."""
+        try:
+            if path is None:
+                raise DraftCheckpointError("the server names no draft folder this learner sees")
+            served, _ = load_draft(path)
+        except (DraftCheckpointError, ValueError) as e:
+            raise RuntimeError(
+                "the server keeps the vocabulary map of the draft it started with (it says "
+                f"vocab_map_fixed), so a new draft must carry that map, but the serving draft "
+                f"cannot be read here: {e}. Give the learner the server's checkpoint folder "
+                "(a shared volume) or start the server with a draft trained by this learner"
+            ) from e
+        return served.d2t.detach().cpu().clone(), served.t2d.detach().cpu().clone()
 
     def _sync_version(self) -> None:
         try:

@@ -519,7 +519,10 @@ class Run:
     def do_sglang_cotrain(self, left: float) -> tuple[str, dict]:
         cmd = [self.args.sglang_python, str(HERE / "cotrain.py"), "--engine", "sglang",
                "--target", str(self.work / "sgl" / "target"),
-               "--engine-arg=--attention-backend", "--engine-arg=triton"]  # fmt: skip
+               "--engine-arg=--attention-backend", "--engine-arg=triton",
+               # v0 is the draft the checks serve first: SGLang keeps the vocabulary map it
+               # starts with, so the co-trained draft (that map) swaps in there too
+               "--engine-arg=--draft", f"--engine-arg={self.work / 'sgl' / 'draft'}"]  # fmt: skip
         return self._cotrain("sglang_cotrain", left, cmd, self.work / "sgl-cotrain")
 
     def do_sglang_checks(self, left: float) -> tuple[str, dict]:

@@ -419,6 +419,9 @@ class SGLangEngine(AutoRollback):
                 **self.current.info(),
                 "previous_version": self.previous.version if self.previous else None,
                 "highest_version": self.highest,
+                # SGLang samples with the token map it loaded first (draft_weights.py): a new
+                # draft must keep the serving draft's d2t, which a learner reads from this.
+                "vocab_map_fixed": True,
             },
             "policy": self.policy.info(),
             "tap": self.tap.info(),

@@ -194,12 +194,12 @@ def install_codraft(
     server that app's lifespan runs in the same event loop (one EngineControl: one swap lock,
     one version cache for both ports)."""
     from codraft.server.api import CONTROL_PATHS, EngineControl
-    from codraft.server.metrics import MetricsEndpoint
+    from codraft.server.metrics import MetricsEndpoint, sglang_registry
     from codraft.server.serve import Dispatch, VersionHeaders, build_control_app
     from codraft.server.sglang.rpc import RpcClient
 
     control = EngineControl(RpcClient(endpoint), settings)
-    capp = build_control_app(control, token, MetricsEndpoint(control))
+    capp = build_control_app(control, token, MetricsEndpoint(control, sglang_registry))
     here = {"/ready", "/metrics"} | (set(CONTROL_PATHS) if control_sock is None else set())
     app.add_middleware(Dispatch, side=capp, paths=frozenset(here))
     app.add_middleware(VersionHeaders, control=control)
