@@ -47,8 +47,8 @@ class DraftInfo(_Reply):
     previous_version: int | None = None
     highest_version: int | None = None  # a new draft's version must exceed it (409 otherwise)
     # True: the engine keeps the vocabulary map (d2t) it started with (SGLang), and a new draft
-    # must carry the serving draft's; absent or False: a draft may bring its own (vLLM).
-    vocab_map_fixed: bool | None = None
+    # must carry the serving draft's; False: a draft may bring its own (vLLM).
+    vocab_map_fixed: bool = False
     acceptance: Acceptance | None = None
 
 

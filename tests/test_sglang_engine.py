@@ -504,7 +504,7 @@ def test_codraft_serve_routes_reach_the_engine_over_its_control_socket(setup, mo
     async def completions() -> dict:
         return {"id": "cmpl-1", "choices": [{"text": "x"}]}
 
-    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")] + ["vllm"]:
+    for name in {m for m in sys.modules if m.split(".")[0] == "vllm"} | {"vllm"}:
         monkeypatch.setitem(sys.modules, name, None)  # `import vllm...` raises ImportError
     token = "s3cret"
     control = install_codraft(app, s.control, token, ControlSettings(refresh_s=0.05))

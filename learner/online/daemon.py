@@ -334,7 +334,7 @@ class OnlineLearner:
             log.warning("cannot read the serving draft yet: %s", e)
             return None, None
         self.metrics.serving_version.set(info.version or 0)
-        self.serving_vocab_fixed = bool(info.vocab_map_fixed)
+        self.serving_vocab_fixed = info.vocab_map_fixed
         if not info.path or not Path(info.path).is_dir():
             return None, None
         try:
