@@ -471,17 +471,16 @@ class OnlineLearner:
                 dtype="float32",
             )
         if self.serving_vocab_fixed and serving_cfg is not None and not cfg.full_vocab:
-            torch.manual_seed(t.seed)
-            draft = Eagle3Draft(cfg)
-            draft.set_vocab(*self._serving_vocab(serving_path))
-            return draft
-        counts = torch.zeros(self.target_config.vocab_size, dtype=torch.int64)
-        for s in self.buffer.all_samples():
-            ids = s.token_ids.to(torch.int64)[s.loss_mask.bool()]
-            counts += torch.bincount(ids, minlength=len(counts))
+            vocab = self._serving_vocab(serving_path)
+        else:
+            counts = torch.zeros(self.target_config.vocab_size, dtype=torch.int64)
+            for s in self.buffer.all_samples():
+                ids = s.token_ids.to(torch.int64)[s.loss_mask.bool()]
+                counts += torch.bincount(ids, minlength=len(counts))
+            vocab = build_draft_vocab(counts, cfg.draft_vocab_size)
         torch.manual_seed(t.seed)
         draft = Eagle3Draft(cfg)
-        draft.set_vocab(*build_draft_vocab(counts, cfg.draft_vocab_size))
+        draft.set_vocab(*vocab)
         return draft
 
     def _serving_vocab(self, path: Path | None) -> tuple[torch.Tensor, torch.Tensor]:
