@@ -404,6 +404,16 @@ class TapProcess:
         self.publisher_depth = int(s["queue_depth"])
 
 
+def where_assembled(assembler: Any) -> dict[str, str]:
+    """`/stats`' `tap.assembly` ("process", "process (ended)" or "thread": where tap messages
+    are assembled) and `tap.rows_via` ("device ring" or "pipe" to the tap process, "host copy"
+    when assembled in the engine's process) for an engine's assembler."""
+    if not isinstance(assembler, TapProcess):
+        return {"assembly": "thread", "rows_via": "host copy"}
+    alive = "process" if assembler.alive else "process (ended)"
+    return {"assembly": alive, "rows_via": assembler.rows_via}
+
+
 class RemotePublisher:
     """The tap process's publisher, as codraft.server.worker_ext sees a TapPublisher. Opening
     does not wait for the tap process (it may still be starting, and the RPC that opens it has

@@ -93,7 +93,7 @@ from codraft.server.draft_swap import DraftSwapper
 from codraft.server.engine_config import EngineConfig
 from codraft.server.hooks import RunnerHooks, StepListener, StepRecord
 from codraft.server.sleep_copy import digest
-from codraft.server.tap_process import RemotePublisher, TapProcess
+from codraft.server.tap_process import RemotePublisher, TapProcess, where_assembled
 from codraft.server.tap_switch import TapSwitch
 from codraft.server.transfer import TRANSFERRED, Transfers, draft_places
 from codraft.server.weights import (
@@ -271,19 +271,6 @@ class CodraftEngine(StepListener, AutoRollback):
         self.tap.close_publisher()
         self.capture.close()
 
-    def _assembly(self) -> str:
-        """Where tap messages are assembled: "process", "thread", or "process (ended)"."""
-        asm = self.capture.assembler
-        if not isinstance(asm, TapProcess):
-            return "thread"
-        return "process" if asm.alive else "process (ended)"
-
-    def _rows_via(self) -> str:
-        """How a step's rows reach the assembler: "device ring" or "pipe" (the tap process),
-        "host copy" (assembled here)."""
-        asm = self.capture.assembler
-        return asm.rows_via if isinstance(asm, TapProcess) else "host copy"
-
     # ------------------------------------------------------------------ engine steps
     def before_step(self, scheduler_output: Any) -> StepContext:
         finished = frozenset(scheduler_output.finished_req_ids or ())
@@ -439,8 +426,7 @@ class CodraftEngine(StepListener, AutoRollback):
                 "device_bytes_held": self.hooks.copier.held_bytes,
                 "capture_queue_depth": self.capture.assembler.depth(),
                 "hook_errors": self.hooks.errors,
-                "assembly": self._assembly(),
-                "rows_via": self._rows_via(),
+                **where_assembled(self.capture.assembler),
             },
             "hooks": {"runner": self.hooks.kind, **self.hooks.times.to_dict()},
             "acceptance": self.acceptance.snapshot(),

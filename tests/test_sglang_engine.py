@@ -104,7 +104,9 @@ def feats(pos: int, tok: int, taps: int, h: int) -> torch.Tensor:
 
 
 @pytest.fixture()
-def setup(tiny_llama_dir: Path, tmp_path: Path):
+def setup(request, tiny_llama_dir: Path, tmp_path: Path):
+    """The engine on stand-ins; EngineConfig's fields from the test's parameter, if any (the
+    default assembles in the tap process)."""
     draft = write_new_draft(tmp_path / "v0", tiny_llama_dir, draft_vocab_size=DV, version=0)
     from safetensors.torch import load_file
 
@@ -129,7 +131,10 @@ def setup(tiny_llama_dir: Path, tmp_path: Path):
     pull = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     control = f"ipc://{tmp_path}/control"
-    settings = Settings(str(draft), control, EngineConfig(tap_endpoint=f"tcp://127.0.0.1:{port}"))
+    more = getattr(request, "param", {})
+    settings = Settings(
+        str(draft), control, EngineConfig(tap_endpoint=f"tcp://127.0.0.1:{port}", **more)
+    )
     scheduler = SimpleNamespace(
         draft_worker=EAGLEWorkerV2(runner, model),
         server_args=SimpleNamespace(model_path=str(tiny_llama_dir), speculative_eagle_topk=1,
@@ -182,6 +187,9 @@ def messages(pull, n: int) -> dict:
     return out
 
 
+@pytest.mark.parametrize(
+    "setup", [{}, {"tap_assembly": "thread"}], indirect=True, ids=["process", "thread"]
+)
 def test_a_prefill_and_verifications_come_out_as_the_final_sequence_features(setup) -> None:
     """Two requests: one prefill, then verifications of k = 3 rows (a accepts 2 drafts then
     none, b none then 1), processed one step late as with SGLang's overlap scheduler; each
@@ -211,12 +219,16 @@ def test_a_prefill_and_verifications_come_out_as_the_final_sequence_features(set
         assert torch.equal(m.taps.float(), want[:, : s.taps * s.h])
         assert torch.equal(m.last_hidden.float(), want[:, s.taps * s.h :])
         assert m.header.draft_version == 0
-    stats = s.engine.stats()
+    stats = s.engine.stats(flush=True)
     assert stats["tap"]["hook_errors"] == 0 and stats["tap"]["requests_captured"] == 2
+    assert stats["tap"]["assembly"] == s.engine.cfg.tap_assembly, stats["tap"]
     acc = stats["acceptance"]["0"]
     assert acc["drafts"] == 4 and acc["accepted_tokens"] == 3  # (2 + 0) + (0 + 1)
 
 
+@pytest.mark.parametrize(
+    "setup", [{}, {"tap_assembly": "thread"}], indirect=True, ids=["process", "thread"]
+)
 def test_planted_off_by_one_in_the_accepted_length_is_caught(setup, monkeypatch) -> None:
     """Mutation check (planted from the test side): reading SGLang's accepted length as the
     number of accepted drafts (one row fewer per verification) sends requests short or not at
@@ -693,12 +705,17 @@ def test_sglang_memory_release_keeps_the_draft_and_its_own_weight_routes_leave_i
     assert plugin._tensor_to_target(lambda *a: (True, "both"), to_target, None) == (True, "target")
 
 
+@pytest.mark.parametrize(
+    "setup",
+    [{"tap_max_tokens": 4}, {"tap_max_tokens": 4, "tap_assembly": "thread"}],
+    indirect=True,
+    ids=["process", "thread"],
+)
 def test_a_long_request_goes_out_in_chunks_while_it_runs(setup) -> None:
     """With messages of at most 4 tokens, a request's first chunks go out before it finishes;
     each is checked against the tokens SGLang has appended to the request's output ids so
     far (given to the capture step by step): every chunk arrives, none counted inconsistent."""
     s, e = setup, setup.engine
-    e.assembler.max_tokens = 4
     a = Req("a", [1, 2, 3])
     prev = step(s, [a], [(1, 0), (2, 1), (3, 2)], True, [3])
     cur = step(s, [a], [(4, 3), (5, 4), (6, 5)], False, accept=[3])

@@ -13,11 +13,13 @@ Two steps, in two environments (the SGLang venv holds no codraft):
 
 `run` starts `sglang.Engine` in turn without speculation, with EAGLE-3 (k = 3 steps, top-1, 4
 draft tokens; --eagle3-draft DIR, default the prepared one), with `--codraft` the same EAGLE-3
-engine with codraft's engine inside (codraft.server.sglang: capture, tap on to a sink) and,
+engine with codraft's engine inside (codraft.server.sglang: capture, tap on to a sink;
+`--codraft-thread` once more, the tap assembled in the scheduler's process) and,
 with `--dflash DIR`, with SGLang's DFlash and that draft, every arm with the radix cache off (as
 codraft's full tap needs, and as the vLLM sweep runs without prefix caching); each one warms up at
 every batch size, then runs batches of 1, 8, 32, 64 greedy requests of --max-tokens tokens
-(ignore_eos) on the 64 held-out questions, chat template applied: the method and prompts of
+(ignore_eos) on the 64 held-out questions, chat template applied, each batch timed --repeats
+times (the median run reported, every run's tokens/s beside it): the method and prompts of
 scripts/gpu_vllm/bench_serving.py, so the figures stand beside codraft's vLLM engine's. Per arm
 and batch: tokens/s, the acceptance length SGLang counted for those requests (1 + accepted
 drafts per verification, from each response's meta_info), greedy outputs identical to the plain
@@ -145,15 +147,16 @@ def batch_row(outs: list[dict], seconds: float) -> dict[str, Any]:
 
 
 def arm(stages: Stages, name: str, engine_kwargs: dict, prompts: list[list[int]],
-        max_tokens: int, batches: list[int], env: dict[str, str] | None = None
-        ) -> dict | None:  # fmt: skip
+        max_tokens: int, batches: list[int], env: dict[str, str] | None = None,
+        repeats: int = 1) -> dict | None:  # fmt: skip
     """One engine: a warm-up at every batch size (kernels specialise on it), then each batch of
-    the sweep timed once, as scripts/gpu_vllm/bench_serving.py does for vLLM. `env`: set
-    while the engine starts (its processes inherit it): codraft's engine for the codraft arm."""
+    the sweep timed `repeats` times, the run of median tokens/s reported with every run's
+    (scripts/gpu_vllm/bench_serving.py's rule for vLLM). `env`: set while the engine starts
+    (its processes inherit it): codraft's engine for the codraft arms."""
     import os
 
     import sglang
-    from bench_serving import batch_prompts
+    from bench_serving import batch_prompts, median_run
 
     os.environ.update(env or {})
     try:
@@ -172,9 +175,13 @@ def arm(stages: Stages, name: str, engine_kwargs: dict, prompts: list[list[int]]
                 engine.generate(input_ids=batch_prompts(prompts, b), sampling_params=warm)
             rows = []
             for b in batches:
-                t0 = time.perf_counter()
-                outs = engine.generate(input_ids=batch_prompts(prompts, b), sampling_params=params)
-                rows.append(batch_row(outs, time.perf_counter() - t0))
+                runs = []
+                for _ in range(max(repeats, 1)):
+                    t0 = time.perf_counter()
+                    outs = engine.generate(input_ids=batch_prompts(prompts, b),
+                                           sampling_params=params)  # fmt: skip
+                    runs.append(batch_row(outs, time.perf_counter() - t0))
+                rows.append(median_run(runs))
             return rows
 
         rows = stages.run(f"{name}_generate", sweep)
@@ -201,8 +208,8 @@ def compare_arms(results: dict[str, dict | None]) -> tuple[dict[str, Any], dict[
                 row["identical_outputs"] = f"{sum(same)}/{len(same)}"
                 row["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
                 lossless[name] = lossless.get(name, True) and all(same)
-            stock = results.get(name.removesuffix("-codraft"))
-            if name.endswith("-codraft") and stock is not None:  # codraft's hooks change nothing
+            stock = results.get(name.split("-codraft")[0])
+            if "-codraft" in name and stock is not None:  # codraft's hooks change nothing
                 other = stock["batches"][len(rows)]
                 same = [a == b for a, b in zip(other["token_ids"], r["token_ids"], strict=True)]
                 row["identical_to_stock"] = f"{sum(same)}/{len(same)}"
@@ -247,6 +254,11 @@ def run(args: argparse.Namespace) -> int:
             settings = Settings(str(draft), control, EngineConfig(tap_endpoint=sink.endpoint))
             arms["eagle3-codraft"] = {**base, **spec}
             envs["eagle3-codraft"] = {ENV: settings.to_env()}
+            if args.codraft_thread:  # the same, assembling in the scheduler's process
+                cfg = EngineConfig(tap_endpoint=sink.endpoint, tap_assembly="thread")
+                arms["eagle3-codraft-thread"] = {**base, **spec}
+                envs["eagle3-codraft-thread"] = {ENV: Settings(str(draft), control,
+                                                               cfg).to_env()}  # fmt: skip
         if args.dflash:  # a trained codraft DFlash draft (z-lab's format, which SGLang reads)
             block = json.loads((Path(args.dflash) / "config.json").read_text())["block_size"]
             arms["dflash"] = {
@@ -260,8 +272,8 @@ def run(args: argparse.Namespace) -> int:
                 arms["dflash-codraft"] = dict(arms["dflash"])
                 envs["dflash-codraft"] = {ENV: settings.to_env()}
         batches = [int(b) for b in args.batches.split(",")]
-        results = {n: arm(stages, n, kw, prompts, args.max_tokens, batches, envs.get(n))
-                   for n, kw in arms.items()}  # fmt: skip
+        results = {n: arm(stages, n, kw, prompts, args.max_tokens, batches, envs.get(n),
+                          args.repeats) for n, kw in arms.items()}  # fmt: skip
         if sink is not None:
             report["codraft_tap_messages"] = sink.count
         report["arms"], lossless = compare_arms(results)
@@ -293,6 +305,12 @@ def main() -> int:
         "--codraft", action="store_true",
         help="also the EAGLE-3 arm with codraft's engine in SGLang, tap on",
     )  # fmt: skip
+    pr.add_argument(
+        "--codraft-thread", action="store_true",
+        help="with --codraft: also that arm assembling the tap in SGLang's scheduler process "
+        "(EngineConfig.tap_assembly='thread') instead of its tap process",
+    )  # fmt: skip
+    pr.add_argument("--repeats", type=int, default=3, help="timed runs per batch (median)")
     args = p.parse_args()
     return prepare(args) if args.step == "prepare" else run(args)
 

@@ -19,15 +19,18 @@ draft checkpoint SGLang was started with under "draft", codraft's control endpoi
   requests that finished are handed to the assembler with SGLang's own output tokens.
 * `poll()`: codraft's control calls, answered between batches (codraft.server.sglang.rpc).
 
-The tap messages, their assembly and chunking, the acceptance bookkeeping and the automatic
-rollback rule are the ones of codraft's vLLM engine. EAGLE-3 with a chain of drafts (topk 1)
-or DFlash (a block of drafts: the verification's rows are the block, SGLang's committed length
-of them final), on SGLang's v2 workers, and tensor parallel size 1 are required.
+The tap messages, their assembly and chunking (in a tap process of their own by default,
+`EngineConfig.tap_assembly`: codraft.server.tap_process), the acceptance bookkeeping and the
+automatic rollback rule are the ones of codraft's vLLM engine. EAGLE-3 with a chain of
+drafts (topk 1) or DFlash (a block of drafts: the verification's rows are the block, SGLang's
+committed length of them final), on SGLang's v2 workers, and tensor parallel size 1 are
+required.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import inspect
 import itertools
 import json
@@ -47,6 +50,7 @@ from codraft.server.sglang.capture import SGLangCapture, Step
 from codraft.server.sglang.draft_weights import DraftWeights
 from codraft.server.sglang.rpc import RpcServer
 from codraft.server.sleep_copy import SleepCopy, digest, draft_tensors
+from codraft.server.tap_process import RemotePublisher, TapProcess, where_assembled
 from codraft.server.tap_switch import TapSwitch
 from codraft.server.weights import (
     DraftSlot,
@@ -126,7 +130,7 @@ class SGLangEngine(AutoRollback):
 
     def __init__(self, scheduler: Any, settings: Settings) -> None:
         self.scheduler = scheduler
-        self.cfg = replace(settings.codraft, tap_assembly="thread")
+        self.cfg = settings.codraft
         worker = scheduler.draft_worker
         args = scheduler.server_args
         kind = self._check(worker, args)
@@ -182,10 +186,18 @@ class SGLangEngine(AutoRollback):
             dtype=wire,
             max_model_len=int(getattr(runner.model_config, "context_len", 1 << 30)),
         )
-        self.assembler = Assembler(
+        # in a process of its own by default, as in codraft's vLLM engine: the scheduler's
+        # loop is host-bound at a small target's batches and shares its interpreter lock with
+        # every thread of its process (server/tap_process.py); the rows go through the pipe
+        if self.cfg.tap_device_ring:
+            log.warning("codraft: tap_device_ring is vLLM's; SGLang's rows go through the pipe")
+        make = TapProcess if self.cfg.tap_assembly == "process" else Assembler
+        self.assembler = make(
             self.target, self.tap.emit, lambda: self.current.version, self.cfg.tap_max_tokens,
             self.stats_,
         )  # fmt: skip
+        if isinstance(self.assembler, TapProcess):  # the tap process publishes
+            self.tap.make = functools.partial(RemotePublisher, self.assembler)
         self.capture = SGLangCapture(
             self.assembler, want=self.tap.want, policy_version=lambda: self.policy.version
         )
@@ -552,8 +564,7 @@ class SGLangEngine(AutoRollback):
                 "device_bytes_held": self.copier.held_bytes,
                 "capture_queue_depth": self.assembler.depth(),
                 "hook_errors": self.hook_errors,
-                "assembly": "thread",
-                "rows_via": "host copy",
+                **where_assembled(self.assembler),
             },
             "hooks": {"runner": "sglang-eagle-v2", "steps": self.steps},
             "acceptance": self.acceptance.snapshot(),
