@@ -524,8 +524,36 @@ def test_the_sglang_sweep_counts_acceptance_per_batch_and_catches_a_differing_ou
     assert lossless == {"eagle3": False, "eagle3-codraft": True}  # eagle3's 2nd batch differs
     assert [r["identical_outputs"] for r in report["eagle3"]] == ["1/1", "0/1"]
     assert report["eagle3"][0]["speedup"] == 2.0 and "dflash" not in report
-    # codraft's arm against the stock one it runs inside
+    # codraft's arm against the stock one it runs inside (either assembly)
     assert [r["identical_to_stock"] for r in report["eagle3-codraft"]] == ["1/1", "0/1"]
+    report, _ = smoke.compare_arms({**arms, "eagle3-codraft-thread": ours})
+    assert [r["identical_to_stock"] for r in report["eagle3-codraft-thread"]] == ["1/1", "0/1"]
+
+
+def test_a_profiled_sglang_step_is_summarised_per_step(tmp_path: Path) -> None:
+    """eagle3_smoke.py --profile-batch: a Chrome trace (as torch's profiler writes it, gzipped)
+    reduced to counts and microseconds per step, the host's waits and copies named."""
+    sys.path.insert(0, str(REPO / "scripts" / "gpu_sglang"))
+    import eagle3_smoke as smoke
+
+    def ev(cat, name, dur):
+        return {"ph": "X", "cat": cat, "name": name, "dur": dur, "ts": 0}
+
+    events = [ev("cuda_runtime", "cudaStreamSynchronize", 300.0)] * 2 + [
+        ev("cuda_runtime", "cudaLaunchKernel", 5.0)] * 40 + [
+        ev("kernel", "gemm", 20.0)] * 10 + [ev("cpu_op", "aten::index_select", 50.0)] * 4 + [
+        {"ph": "i", "cat": "cpu_op", "name": "marker"}]  # fmt: skip
+    (tmp_path / "p").mkdir()
+    with gzip.open(tmp_path / "p" / "x-TP-0.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    got = smoke.summarize_trace(tmp_path / "p", steps=2)
+    assert got["per_step"]["cuda_runtime"] == {"count": 21.0, "us": 400.0}
+    assert got["per_step"]["kernel"] == {"count": 5.0, "us": 100.0}
+    assert got["waits_and_copies"] == {"cudaStreamSynchronize": {"count": 1.0, "us": 300.0}}
+    assert got["cuda_runtime"][0]["name"] == "cudaStreamSynchronize"
+    assert got["host_ops"] == [{"name": "aten::index_select", "count": 2.0, "us": 100.0}]
+    with pytest.raises(FileNotFoundError):
+        smoke.summarize_trace(tmp_path / "empty", steps=1)
 
 
 def test_sglang_kit_scripts_parse() -> None:

@@ -146,13 +146,84 @@ def batch_row(outs: list[dict], seconds: float) -> dict[str, Any]:
     }  # fmt: skip
 
 
+SYNC = ("Synchronize", "cudaMemcpy", "cudaStreamWaitEvent", "cudaHostAlloc")
+
+
+def summarize_trace(folder: Path, steps: int, top: int = 15) -> dict[str, Any]:
+    """A torch profiler trace of `steps` scheduler steps (SGLang's start_profile writes Chrome
+    trace JSON, gzipped or not, under `folder`) reduced to what says where a step's time goes:
+    per category (cpu_op, python_function, cuda_runtime, kernel, gpu_memcpy, ...) the events and
+    microseconds per step, the `top` names of host ops and CUDA runtime calls by time per step,
+    and the runtime calls that make the host wait or copy (SYNC) with their counts per step."""
+    import gzip
+    from collections import defaultdict
+
+    files = sorted(folder.rglob("*.json*"))
+    if not files:
+        raise FileNotFoundError(f"no trace under {folder}")
+    by_cat: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    by_name: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    for f in files:
+        opener = gzip.open if f.suffix == ".gz" else open
+        with opener(f, "rt") as fh:
+            events = json.load(fh).get("traceEvents", [])
+        for e in events:
+            if e.get("ph") != "X":
+                continue
+            cat, dur = str(e.get("cat", "")), float(e.get("dur", 0.0))
+            by_cat[cat][0] += 1
+            by_cat[cat][1] += dur
+            by_name[(cat, str(e.get("name", "")))][0] += 1
+            by_name[(cat, str(e.get("name", "")))][1] += dur
+
+    def per_step(v: list[float]) -> dict[str, float]:
+        return {"count": round(v[0] / steps, 2), "us": round(v[1] / steps, 1)}
+
+    def ranked(cats: tuple[str, ...]) -> list[dict[str, Any]]:
+        rows = [(n, v) for (c, n), v in by_name.items() if c in cats]
+        rows.sort(key=lambda r: -r[1][1])
+        return [{"name": n[:120], **per_step(v)} for n, v in rows[:top]]
+
+    return {
+        "files": [f.name for f in files],
+        "steps": steps,
+        "per_step": {c: per_step(v) for c, v in sorted(by_cat.items())},
+        "host_ops": ranked(("cpu_op", "python_function", "user_annotation")),
+        "cuda_runtime": ranked(("cuda_runtime", "cuda_driver")),
+        "waits_and_copies": {
+            n: per_step(v)
+            for (c, n), v in sorted(by_name.items())
+            if c in ("cuda_runtime", "cuda_driver") and any(k in n for k in SYNC)
+        },
+    }
+
+
+def profile(engine: Any, folder: Path, prompts: list[list[int]], batch: int, steps: int,
+            max_tokens: int) -> dict[str, Any]:  # fmt: skip
+    """`steps` scheduler steps of one batch of `batch` requests under SGLang's profiler (host
+    and device), summarised (summarize_trace)."""
+    from bench_serving import batch_prompts
+
+    folder.mkdir(parents=True, exist_ok=True)
+    engine.start_profile(output_dir=str(folder), num_steps=steps, activities=["CPU", "GPU"])
+    params = {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": True}
+    engine.generate(input_ids=batch_prompts(prompts, batch), sampling_params=params)
+    deadline = time.time() + 120  # the trace is written when the last profiled step ends
+    while not any(folder.rglob("*.json*")) and time.time() < deadline:
+        time.sleep(1.0)
+    time.sleep(2.0)  # a file being written
+    return summarize_trace(folder, steps)
+
+
 def arm(stages: Stages, name: str, engine_kwargs: dict, prompts: list[list[int]],
         max_tokens: int, batches: list[int], env: dict[str, str] | None = None,
-        repeats: int = 1) -> dict | None:  # fmt: skip
+        repeats: int = 1, profiled: tuple[Path, int, int] | None = None
+        ) -> dict | None:  # fmt: skip
     """One engine: a warm-up at every batch size (kernels specialise on it), then each batch of
     the sweep timed `repeats` times, the run of median tokens/s reported with every run's
     (scripts/gpu_vllm/bench_serving.py's rule for vLLM). `env`: set while the engine starts
-    (its processes inherit it): codraft's engine for the codraft arms."""
+    (its processes inherit it): codraft's engine for the codraft arms. `profiled` (folder,
+    batch, steps): then that many steps of one batch under SGLang's profiler, summarised."""
     import os
 
     import sglang
@@ -185,7 +256,16 @@ def arm(stages: Stages, name: str, engine_kwargs: dict, prompts: list[list[int]]
             return rows
 
         rows = stages.run(f"{name}_generate", sweep)
-        return None if rows is None else {"batches": rows}
+        if rows is None:
+            return None
+        res: dict[str, Any] = {"batches": rows}
+        if profiled is not None:
+            folder, batch, steps = profiled
+            res["profile"] = stages.run(
+                f"{name}_profile",
+                lambda: profile(engine, folder / name, prompts, batch, steps, max_tokens),
+            )
+        return res
     finally:
         stages.run(f"{name}_shutdown", engine.shutdown)
 
@@ -272,8 +352,14 @@ def run(args: argparse.Namespace) -> int:
                 arms["dflash-codraft"] = dict(arms["dflash"])
                 envs["dflash-codraft"] = {ENV: settings.to_env()}
         batches = [int(b) for b in args.batches.split(",")]
-        results = {n: arm(stages, n, kw, prompts, args.max_tokens, batches, envs.get(n),
-                          args.repeats) for n, kw in arms.items()}  # fmt: skip
+        profiled = (out / "profiles", args.profile_batch, args.profile_steps)
+        results = {
+            n: arm(stages, n, kw, prompts, args.max_tokens, batches, envs.get(n), args.repeats,
+                   profiled if args.profile_batch and n != "plain" else None)
+            for n, kw in arms.items()
+        }  # fmt: skip
+        report["profiles"] = {n: r.get("profile") for n, r in results.items()
+                              if r is not None and "profile" in r}  # fmt: skip
         if sink is not None:
             report["codraft_tap_messages"] = sink.count
         report["arms"], lossless = compare_arms(results)
@@ -311,6 +397,12 @@ def main() -> int:
         "(EngineConfig.tap_assembly='thread') instead of its tap process",
     )  # fmt: skip
     pr.add_argument("--repeats", type=int, default=3, help="timed runs per batch (median)")
+    pr.add_argument(
+        "--profile-batch", type=int, default=0,
+        help="after each speculative arm's sweep, profile one batch of this many requests "
+        "(SGLang's profiler, host and device) and summarise where a step's time goes",
+    )  # fmt: skip
+    pr.add_argument("--profile-steps", type=int, default=30, help="steps profiled")
     args = p.parse_args()
     return prepare(args) if args.step == "prepare" else run(args)
 

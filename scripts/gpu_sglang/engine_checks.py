@@ -25,6 +25,13 @@ In the SGLang venv (scripts/gpu_sglang/install.sh links codraft into it), after
 5. /v1/completions carries X-Codraft-Draft-Version; the server's stats (GET /v1/tap) count the
    captured requests and no hook errors.
 
+In bf16 a verification runs SGLang's extend kernels where plain decoding runs its decode
+kernels, and near-tied choices move, stock speculation's as much as codraft's: outputs are then
+held to stock SGLang speculating with the same draft. `--dtype float32` runs every arm in
+float32, the ops sgl_kernel has no float32 kernel for through SGLang's own torch code
+(`native_ops/sitecustomize.py`, a check-side shim), and holds every served draft's outputs to
+plain SGLang's (`lossless_<draft>`).
+
 Writes $OUT/sglang_engine_checks.json; exit 0 when every check passed.
 """
 
@@ -118,6 +125,15 @@ def main() -> int:
     p.add_argument("--tol", type=float, default=0.05)
     p.add_argument("--mem-fraction", type=float, default=0.3)
     p.add_argument("--attention-backend", default="triton")
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+        help="float32: every arm runs the ops of --native-ops through SGLang's torch code "
+        "(native_ops/sitecustomize.py), and greedy outputs must equal plain SGLang's",
+    )  # fmt: skip
+    p.add_argument(
+        "--native-ops", default="RMSNorm,SiluAndMul,RotaryEmbedding",
+        help="with --dtype float32: SGLang op classes run through forward_native on float32",
+    )  # fmt: skip
     p.add_argument("--ready-timeout", type=float, default=420.0)
     p.add_argument(
         "--references", action=argparse.BooleanOptionalAction, default=True,
@@ -142,15 +158,21 @@ def main() -> int:
     prompts = heldout_prompt_ids(target)[: args.prompts]
     params = {"temperature": 0.0, "max_new_tokens": args.max_tokens, "ignore_eos": True}
     checks: dict[str, bool] = {}
+    if args.dtype == "float32":  # in every process SGLang starts from here on
+        shim = str(HERE / "native_ops")
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [shim, *filter(None, [os.environ.get("PYTHONPATH")])]
+        )
+        os.environ["CODRAFT_CHECK_NATIVE_OPS"] = args.native_ops
 
     def reference(speculative: list[str] = ()) -> list[list[int]]:
-        """Stock SGLang's greedy outputs; `speculative`: its speculative arguments (bf16: SGLang's
-        kernels have no float32 RMSNorm). The radix cache off, as in codraft's server below:
-        a prefix served from the cache is computed by other kernels, which moves bf16 ties."""
+        """Stock SGLang's greedy outputs; `speculative`: its speculative arguments. The radix
+        cache off, as in codraft's server below: a prefix served from the cache is computed
+        by other kernels, which moves bf16 ties."""
         import sglang
 
         server_args = parse_sglang_args([
-            "--model-path", str(target), "--dtype", "bfloat16", "--random-seed", "0",
+            "--model-path", str(target), "--dtype", args.dtype, "--random-seed", "0",
             "--log-level", "warning", "--mem-fraction-static", str(args.mem_fraction),
             "--attention-backend", args.attention_backend, "--disable-radix-cache",
             *speculative,
@@ -183,7 +205,7 @@ def main() -> int:
         env = {**os.environ, "CODRAFT_CONTROL_TOKEN": token}
         server = subprocess.Popen(
             [sys.executable, "-m", "codraft.cli", "serve", "--engine", "sglang",
-             "--model", str(target), "--port", str(port), "--dtype", "bfloat16",
+             "--model", str(target), "--port", str(port), "--dtype", args.dtype,
              "--tap-endpoint", sink.endpoint, "--work-dir", str(work / "serve"),
              "--no-resume-draft", "--mem-fraction-static", str(args.mem_fraction),
              "--attention-backend", args.attention_backend, "--disable-radix-cache",
@@ -227,6 +249,8 @@ def main() -> int:
             if ref is not None:
                 same = [a == b for a, b in zip(ids, ref, strict=True)]
                 row["identical"] = f"{sum(same)}/{len(ids)}"
+                if args.dtype == "float32":  # no bf16 kernel ties: lossless, draft for draft
+                    checks[f"lossless_{tag}"] = all(same)
             if tag == "v0" and ref is not None and stock is not None:  # the same draft
                 as_stock = [a == b for a, b in zip(ids, stock, strict=True)]
                 row["identical_to_stock"] = f"{sum(as_stock)}/{len(ids)}"
