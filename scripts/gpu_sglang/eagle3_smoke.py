@@ -161,20 +161,20 @@ def summarize_trace(folder: Path, steps: int, top: int = 15) -> dict[str, Any]:
     files = sorted(folder.rglob("*.json*"))
     if not files:
         raise FileNotFoundError(f"no trace under {folder}")
-    by_cat: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    by_name: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    by_name: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])  # count, us
     for f in files:
         opener = gzip.open if f.suffix == ".gz" else open
         with opener(f, "rt") as fh:
             events = json.load(fh).get("traceEvents", [])
         for e in events:
-            if e.get("ph") != "X":
-                continue
-            cat, dur = str(e.get("cat", "")), float(e.get("dur", 0.0))
-            by_cat[cat][0] += 1
-            by_cat[cat][1] += dur
-            by_name[(cat, str(e.get("name", "")))][0] += 1
-            by_name[(cat, str(e.get("name", "")))][1] += dur
+            if e.get("ph") == "X":  # complete events: the ones with a duration
+                v = by_name[(str(e.get("cat", "")), str(e.get("name", "")))]
+                v[0] += 1
+                v[1] += float(e.get("dur", 0.0))
+    by_cat: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for (cat, _), (n, us) in by_name.items():
+        by_cat[cat][0] += n
+        by_cat[cat][1] += us
 
     def per_step(v: list[float]) -> dict[str, float]:
         return {"count": round(v[0] / steps, 2), "us": round(v[1] / steps, 1)}
@@ -331,14 +331,14 @@ def run(args: argparse.Namespace) -> int:
 
             sink = TapSink()
             control = f"ipc://{work}/codraft-control"
-            settings = Settings(str(draft), control, EngineConfig(tap_endpoint=sink.endpoint))
-            arms["eagle3-codraft"] = {**base, **spec}
-            envs["eagle3-codraft"] = {ENV: settings.to_env()}
-            if args.codraft_thread:  # the same, assembling in the scheduler's process
-                cfg = EngineConfig(tap_endpoint=sink.endpoint, tap_assembly="thread")
-                arms["eagle3-codraft-thread"] = {**base, **spec}
-                envs["eagle3-codraft-thread"] = {ENV: Settings(str(draft), control,
-                                                               cfg).to_env()}  # fmt: skip
+            # --codraft-thread: the same once more, assembling in the scheduler's process
+            for suffix, assembly in [("", "process"), ("-thread", "thread")][
+                : 1 + args.codraft_thread
+            ]:
+                cfg = EngineConfig(tap_endpoint=sink.endpoint, tap_assembly=assembly)
+                arms[f"eagle3-codraft{suffix}"] = {**base, **spec}
+                envs[f"eagle3-codraft{suffix}"] = {ENV: Settings(str(draft), control,
+                                                                 cfg).to_env()}  # fmt: skip
         if args.dflash:  # a trained codraft DFlash draft (z-lab's format, which SGLang reads)
             block = json.loads((Path(args.dflash) / "config.json").read_text())["block_size"]
             arms["dflash"] = {
