@@ -29,8 +29,9 @@ In bf16 a verification runs SGLang's extend kernels where plain decoding runs it
 kernels, and near-tied choices move, stock speculation's as much as codraft's: outputs are then
 held to stock SGLang speculating with the same draft. `--dtype float32` runs every arm in
 float32, the ops sgl_kernel has no float32 kernel for through SGLang's own torch code
-(`native_ops/sitecustomize.py`, a check-side shim), and holds every served draft's outputs to
-plain SGLang's (`lossless_<draft>`).
+(`native_ops/sitecustomize.py`, a check-side shim), Triton's float32 dots at IEEE precision
+rather than its TF32 default (TRITON_F32_DEFAULT=ieee), and holds every served draft's outputs
+to plain SGLang's (`lossless_<draft>`).
 
 Writes $OUT/sglang_engine_checks.json; exit 0 when every check passed.
 """
@@ -164,6 +165,12 @@ def main() -> int:
             [shim, *filter(None, [os.environ.get("PYTHONPATH")])]
         )
         os.environ["CODRAFT_CHECK_NATIVE_OPS"] = args.native_ops
+        # Triton's tl.dot takes float32 inputs at TF32 precision unless told otherwise, and
+        # SGLang's Triton attention kernels do not say: its extend (a verification) and decode
+        # kernels would then round at 1e-3, far above float32's. IEEE dots in every arm, from
+        # a Triton cache of their own (a kernel compiled with TF32 dots is never reused here).
+        os.environ["TRITON_F32_DEFAULT"] = "ieee"
+        os.environ["TRITON_CACHE_DIR"] = str(work / "triton-f32-ieee")
 
     def reference(speculative: list[str] = ()) -> list[list[int]]:
         """Stock SGLang's greedy outputs; `speculative`: its speculative arguments. The radix
@@ -229,6 +236,7 @@ def main() -> int:
 
         report["server_ready_s"] = stages.run("server_start", wait_ready)
         http = httpx.Client(base_url=base, timeout=600)
+        auth = {"Authorization": f"Bearer {token}"}
 
         def generate(ids: list[list[int]], **extra: Any) -> list[dict]:
             r = http.post(
@@ -274,7 +282,18 @@ def main() -> int:
                     again = generate([final], max_new_tokens=1)[0]
                     rid2 = again["meta_info"]["id"]
                     fresh = sink.wait_for([rid2])[rid2]
-                    rows.append({"request": rid, **compare_capture(decoded, fresh, args.tol)})
+                    row = {"request": rid, **compare_capture(decoded, fresh, args.tol)}
+                    if not decoded:  # what the tap had delivered when this one was missing
+                        got = [o["meta_info"]["id"] in sink.messages for o in outs]
+                        row["missing"] = {
+                            "batch_index": outs.index(o),
+                            "batch_requests_received": f"{sum(got)}/{len(got)}",
+                            "sink_requests": len(sink.messages),
+                            "sink_rejected": list(sink.rejected),
+                            "arrived_after_fresh": rid in sink.messages,
+                            "tap_stats": http.get("/v1/tap", headers=auth).json().get("stats"),
+                        }
+                    rows.append(row)
                 return rows
 
             rows = stages.run("capture", capture)
@@ -317,7 +336,6 @@ def main() -> int:
                     vb["draft"] == v0["draft"]
                     and abs((vb["acceptance_length"] or 0) - (v0["acceptance_length"] or 0)) < 0.02
                 )
-        auth = {"Authorization": f"Bearer {token}"}
         report["tap_stats"] = stages.run(
             "tap_stats", lambda: http.get("/v1/tap", headers=auth).raise_for_status().json()
         )
