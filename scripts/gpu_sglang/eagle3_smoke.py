@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
     work, out = Path(args.work).resolve(), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"args": vars(args)}
-    stages = Stages(report, "sglang")
+    stages = Stages(report, "sglang", out / "sglang_eagle3.json")  # kept up as stages go
     sglang = stages.run("import_sglang", lambda: __import__("sglang"))
     if sglang is not None:
         report["sglang"] = sglang.__version__

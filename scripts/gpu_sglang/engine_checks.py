@@ -153,7 +153,8 @@ def main() -> int:
     work, out = Path(args.work).resolve(), Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"args": vars(args)}
-    stages = Stages(report, "engine")
+    # written as each stage starts and ends: a run cut off mid-way still says how far it came
+    stages = Stages(report, "engine", out / "sglang_engine_checks.json")
     target = work / "target"
     draft = Path(args.draft or work / "draft").resolve()
     prompts = heldout_prompt_ids(target)[: args.prompts]

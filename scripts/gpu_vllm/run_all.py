@@ -43,7 +43,10 @@ that later calls reuse (venv, prepared model, caches, the co-trained draft) stay
 which the GPU machine keeps between back-to-back calls.
 
 Time: --budget-s (default 540) bounds the whole command; a phase that cannot finish in what is
-left is skipped (recorded), and the co-training time shrinks to fit (at least 1 minute).
+left is skipped (recorded), and the co-training time shrinks to fit (at least 1 minute). A
+phase still running RESERVE_S before the end is stopped and the logs bundled, so give the
+device call a limit of at least --budget-s + 5: a tighter limit cuts the bundling off and
+nothing comes back.
 
     bash scripts/gpu_vllm/run_all.sh --out "$OUT"                         # everything
     bash scripts/gpu_vllm/run_all.sh --out "$OUT" --phases install,env,prepare,identity,cotrain
@@ -73,6 +76,11 @@ VLLM_PHASES = ("install", "env", "prepare", "checks", "identity", "cotrain", "sc
 SGLANG_PHASES = ("sglang_install", "sglang_prepare", "sglang_cotrain", "sglang_checks",
                  "sglang_bench")  # fmt: skip
 PHASES = VLLM_PHASES + SGLANG_PHASES
+# A phase past its time gets SIGTERM, then SIGKILL after KILL_GRACE_S; RESERVE_S of the budget
+# is kept past every phase's timeout for that and for bundling the logs, so a run whose own
+# limit is --budget-s (plus a few seconds to start) still brings back what the phase wrote.
+KILL_GRACE_S = 5
+RESERVE_S = 15
 # Expected seconds on the H200 (engine start ~30-40 s each, first Triton JIT included), for the
 # budget check; cotrain adds its minutes.
 EXPECTED_S = {
@@ -228,7 +236,7 @@ class Run:
             except subprocess.TimeoutExpired:
                 _killpg(proc.pid, signal.SIGTERM)
                 try:
-                    proc.wait(20)
+                    proc.wait(KILL_GRACE_S)
                 except subprocess.TimeoutExpired:
                     _killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
@@ -364,7 +372,7 @@ class Run:
         where = self.work / name
         cmd = [self.py, str(HERE / "bench_serving.py"), "--out", str(where), "--name", name]
         cmd += ["--arm-timeout", str(max(60.0, min(300.0, left - 30)))]
-        rc = self.sh(name, cmd + extra, max(left - 10, 30))
+        rc = self.sh(name, cmd + extra, max(left - RESERVE_S, 30))
         res: dict = {"rc": rc}
         for suffix in (".json", ".png"):
             f = where / f"{name}{suffix}"
@@ -396,7 +404,7 @@ class Run:
         where = self.work / "checks"
         cmd = [self.py, str(HERE / "engine_checks.py"), "--out", str(where)]
         cmd += shlex.split(self.args.checks_args)
-        rc = self.sh("checks", cmd, max(left - 10, 30))
+        rc = self.sh("checks", cmd, max(left - RESERVE_S, 30))
         res: dict = {"rc": rc}
         report = where / "checks.json"
         if report.is_file():
@@ -416,7 +424,7 @@ class Run:
         # a cold machine's first compile of an 8B arm takes 60-90 s: never less than 150 s an arm
         cmd += ["--arm-timeout", str(max(150.0, min(240.0, left / 4)))]
         cmd += shlex.split(self.args.scale_args)
-        rc = self.sh("scale", cmd, max(left - 10, 30))
+        rc = self.sh("scale", cmd, max(left - RESERVE_S, 30))
         res: dict = {"rc": rc}
         for name in ("scale.json", "scale.png"):
             if (where / name).is_file():
@@ -438,7 +446,7 @@ class Run:
             minutes = max(1.0, round(room, 1))
             self.log(f"[{name}] {self.args.cotrain_minutes:g} min do not fit: {minutes:g} min")
         cmd = [*cmd, "--minutes", str(minutes), "--work", str(where)]
-        rc = self.sh(name, [*cmd, *shlex.split(self.args.cotrain_args)], max(left - 10, 60))
+        rc = self.sh(name, [*cmd, *shlex.split(self.args.cotrain_args)], max(left - RESERVE_S, 60))
         prefix = "" if name == "cotrain" else "sglang_"
         for f in ("cotrain.json", "cotrain.png"):
             if (where / f).is_file():
@@ -533,7 +541,7 @@ class Run:
         if (trained / "config.json").is_file():
             cmd += ["--trained", str(trained)]
         cmd += shlex.split(self.args.checks_args)
-        return self._sglang("sglang_checks", cmd, max(left - 10, 30),
+        return self._sglang("sglang_checks", cmd, max(left - RESERVE_S, 30),
                             where / "sglang_engine_checks.json")  # fmt: skip
 
     def do_sglang_bench(self, left: float) -> tuple[str, dict]:
@@ -549,7 +557,8 @@ class Run:
         if self.args.dflash:
             cmd += ["--dflash", self.args.dflash]
         cmd += shlex.split(self.args.bench_args)
-        return self._sglang("sglang_bench", cmd, max(left - 10, 30), where / "sglang_eagle3.json")
+        return self._sglang("sglang_bench", cmd, max(left - RESERVE_S, 30),
+                            where / "sglang_eagle3.json")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

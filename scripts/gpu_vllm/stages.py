@@ -38,4 +38,4 @@ class Stages:
 
     def save(self) -> None:
         if self.path is not None:
-            self.path.write_text(json.dumps(self.report, indent=2))
+            self.path.write_text(json.dumps(self.report, indent=2, default=str))
