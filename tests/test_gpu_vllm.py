@@ -443,6 +443,49 @@ def test_the_engine_checks_tell_bf16_noise_from_a_misplaced_row() -> None:
     assert not compare_capture([msg(slice(0, n - 1), taps, last, other, 0.0)], fresh, 0.05)["ok"]
 
 
+def test_the_engine_checks_reuse_stock_outputs_only_for_the_same_settings(tmp_path: Path) -> None:
+    """engine_checks.kept_or: a reference run once is read back by the next call with the same
+    settings (no engine started), run again when any setting or the draft differs, and a stage
+    that failed keeps nothing."""
+    import importlib.util
+
+    sys.path.insert(0, str(REPO / "scripts" / "gpu_vllm"))  # its imports (stages)
+    path = REPO / "scripts" / "gpu_sglang" / "engine_checks.py"
+    spec = importlib.util.spec_from_file_location("sglang_engine_checks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from stages import Stages
+
+    runs: list[str] = []
+
+    def ref(tag: str):
+        def fn():
+            runs.append(tag)
+            return [[1, 2, 3], [tag == "b" and 5 or 4]]
+
+        return fn
+
+    kept = tmp_path / "references.json"
+    key = {"dtype": "float32", "draft": "aa", "prompts": [[7, 8]]}
+    first = Stages({}, "t")
+    assert module.kept_or(kept, key, "reference", ref("a"), first) == [[1, 2, 3], [4]]
+    assert module.kept_or(kept, key, "stock", ref("s"), first) == [[1, 2, 3], [4]]
+    again = Stages({}, "t")
+    assert module.kept_or(kept, key, "reference", ref("b"), again) == [[1, 2, 3], [4]]
+    assert runs == ["a", "s"] and again.report["stages"]["reference"]["kept_from"] == str(kept)
+    other = {**key, "draft": "bb"}  # another draft: stock outputs are run again
+    assert module.kept_or(kept, other, "reference", ref("b"), Stages({}, "t")) == [[1, 2, 3], [5]]
+    assert runs == ["a", "s", "b"]
+    assert module.kept_or(kept, other, "stock", ref("c"), Stages({}, "t")) is not None
+    assert runs[-1] == "c"  # the old key's stock outputs went with it
+
+    def broken():
+        raise RuntimeError("engine did not start")
+
+    assert module.kept_or(kept, {**key, "k": 2}, "reference", broken, Stages({}, "t")) is None
+    assert "reference" in json.loads(kept.read_text())  # what was kept is untouched
+
+
 def test_the_capture_probe_writes_a_plugin_sglang_finds(tmp_path: Path, monkeypatch) -> None:
     import importlib.metadata as md
 
