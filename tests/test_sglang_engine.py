@@ -735,3 +735,44 @@ def test_a_long_request_goes_out_in_chunks_while_it_runs(setup) -> None:
     assert e.stats(flush=True)["tap"]["requests_inconsistent"] == 0
     ids = [t for m in got for t in m.token_ids.tolist()]
     assert len(got) >= 2 and ids == seq[: len(ids)] and len(ids) >= len(seq) - 1, ids
+
+
+@pytest.mark.parametrize(
+    "setup", [{}, {"tap_assembly": "thread"}], indirect=True, ids=["process", "thread"]
+)
+def test_every_request_of_a_batch_after_a_warm_up_is_delivered(setup) -> None:
+    """As the GPU checks serve: SGLang's warm-up request (one token, finished with its
+    prefill), then 16 requests prefilled together, the first with the longest prompt, then
+    verifications until all finish in the same step. Every request's message arrives, the
+    first's included (on an H100 in float32 the checks' sink once never got it)."""
+    s, e = setup, setup.engine
+    warm = Req("warm", [5, 6, 7])
+    prev = step(s, [warm], [(5, 0), (6, 1), (7, 2)], True, [3])
+    warm.output_ids, warm.done = [8], True
+    e.on_result(*prev)
+    lens = [2500] + [140 + i for i in range(15)]
+    reqs = [Req(f"r{i}", [1 + j % 50 for j in range(n)]) for i, n in enumerate(lens)]
+    rows = [(t, p) for r in reqs for p, t in enumerate(r.origin_input_ids)]
+    prev = step(s, reqs, rows, True, lens)
+    for r in reqs:
+        r.output_ids = [60]
+    for k in range(8):  # k = 3 rows a request, no draft accepted
+        verify = []
+        for r in reqs:
+            n = len(r.origin_input_ids) + len(r.output_ids) - 1
+            verify += [(r.output_ids[-1], n), (99, n + 1), (98, n + 2)]
+        cur = step(s, reqs, verify, False, accept=[1] * len(reqs))
+        e.on_result(*prev)
+        for r in reqs:
+            r.output_ids = [*r.output_ids, 61 + k]
+            r.done = k == 7
+        prev = cur
+    e.on_result(*prev)
+    got: dict[str, int] = {}
+    while s.pull.poll(3000):
+        m = decode(s.pull.recv_multipart())
+        got[m.header.request_id] = got.get(m.header.request_id, 0) + m.num_tokens
+    assert set(got) == {"warm", *(r.rid for r in reqs)}, sorted(got)
+    for r in reqs:  # the whole sequence but the last token (never an input)
+        assert got[r.rid] == len(r.origin_input_ids) + len(r.output_ids) - 1
+    assert e.stats(flush=True)["tap"]["requests_incomplete"] == 0
