@@ -575,26 +575,38 @@ def test_the_sglang_sweep_counts_acceptance_per_batch_and_catches_a_differing_ou
 
 def test_a_profiled_sglang_step_is_summarised_per_step(tmp_path: Path) -> None:
     """eagle3_smoke.py --profile-batch: a Chrome trace (as torch's profiler writes it, gzipped)
-    reduced to counts and microseconds per step, the host's waits and copies named."""
+    reduced to counts and microseconds per step, the host's waits and copies named, and those
+    of the thread that runs the scheduler's steps told from a helper thread's."""
     sys.path.insert(0, str(REPO / "scripts" / "gpu_sglang"))
     import eagle3_smoke as smoke
 
-    def ev(cat, name, dur):
-        return {"ph": "X", "cat": cat, "name": name, "dur": dur, "ts": 0}
+    def ev(cat, name, dur, tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "dur": dur, "ts": 0, "pid": 7, "tid": tid}
 
     events = [ev("cuda_runtime", "cudaStreamSynchronize", 300.0)] * 2 + [
         ev("cuda_runtime", "cudaLaunchKernel", 5.0)] * 40 + [
         ev("kernel", "gemm", 20.0)] * 10 + [ev("cpu_op", "aten::index_select", 50.0)] * 4 + [
         {"ph": "i", "cat": "cpu_op", "name": "marker"}]  # fmt: skip
+    # the step thread (1) runs scheduler.run_batch; a helper thread (2) waits on an event
+    events += [ev("user_annotation", "scheduler.run_batch", 900.0)] * 2
+    events += [ev("cuda_runtime", "cudaEventSynchronize", 40.0, tid=2)] * 2
     (tmp_path / "p").mkdir()
     with gzip.open(tmp_path / "p" / "x-TP-0.trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
     got = smoke.summarize_trace(tmp_path / "p", steps=2)
-    assert got["per_step"]["cuda_runtime"] == {"count": 21.0, "us": 400.0}
+    assert got["per_step"]["cuda_runtime"] == {"count": 22.0, "us": 440.0}
     assert got["per_step"]["kernel"] == {"count": 5.0, "us": 100.0}
-    assert got["waits_and_copies"] == {"cudaStreamSynchronize": {"count": 1.0, "us": 300.0}}
+    assert got["waits_and_copies"] == {
+        "cudaEventSynchronize": {"count": 1.0, "us": 40.0},
+        "cudaStreamSynchronize": {"count": 1.0, "us": 300.0},
+    }
+    assert got["waits_and_copies_on_step_thread"] == {  # the helper thread's wait left out
+        "cudaStreamSynchronize": {"count": 1.0, "us": 300.0}}  # fmt: skip
     assert got["cuda_runtime"][0]["name"] == "cudaStreamSynchronize"
-    assert got["host_ops"] == [{"name": "aten::index_select", "count": 2.0, "us": 100.0}]
+    assert got["host_ops"] == [
+        {"name": "scheduler.run_batch", "count": 1.0, "us": 900.0},
+        {"name": "aten::index_select", "count": 2.0, "us": 100.0},
+    ]
     with pytest.raises(FileNotFoundError):
         smoke.summarize_trace(tmp_path / "empty", steps=1)
 

@@ -147,6 +147,7 @@ def batch_row(outs: list[dict], seconds: float) -> dict[str, Any]:
 
 
 SYNC = ("Synchronize", "cudaMemcpy", "cudaStreamWaitEvent", "cudaHostAlloc")
+STEP_OP = "run_batch"  # SGLang's annotation of a scheduler step (scheduler.run_batch)
 
 
 def summarize_trace(folder: Path, steps: int, top: int = 15) -> dict[str, Any]:
@@ -154,7 +155,9 @@ def summarize_trace(folder: Path, steps: int, top: int = 15) -> dict[str, Any]:
     trace JSON, gzipped or not, under `folder`) reduced to what says where a step's time goes:
     per category (cpu_op, python_function, cuda_runtime, kernel, gpu_memcpy, ...) the events and
     microseconds per step, the `top` names of host ops and CUDA runtime calls by time per step,
-    and the runtime calls that make the host wait or copy (SYNC) with their counts per step."""
+    and the runtime calls that make the host wait or copy (SYNC) with their counts per step:
+    all of them, and those on the scheduler's step thread (the one that runs STEP_OP), whose
+    waits hold the next step back, unlike a helper thread's."""
     import gzip
     from collections import defaultdict
 
@@ -162,15 +165,21 @@ def summarize_trace(folder: Path, steps: int, top: int = 15) -> dict[str, Any]:
     if not files:
         raise FileNotFoundError(f"no trace under {folder}")
     by_name: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])  # count, us
+    on_step: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # SYNC calls, step thread
     for f in files:
         opener = gzip.open if f.suffix == ".gz" else open
         with opener(f, "rt") as fh:
-            events = json.load(fh).get("traceEvents", [])
+            events = [e for e in json.load(fh).get("traceEvents", []) if e.get("ph") == "X"]
+        # complete events (the ones with a duration); the step's thread: where STEP_OP runs
+        step = {(e.get("pid"), e.get("tid")) for e in events if STEP_OP in str(e.get("name"))}
         for e in events:
-            if e.get("ph") == "X":  # complete events: the ones with a duration
-                v = by_name[(str(e.get("cat", "")), str(e.get("name", "")))]
-                v[0] += 1
-                v[1] += float(e.get("dur", 0.0))
+            cat, name = str(e.get("cat", "")), str(e.get("name", ""))
+            v = by_name[(cat, name)]
+            v[0] += 1
+            v[1] += float(e.get("dur", 0.0))
+            if (e.get("pid"), e.get("tid")) in step and _is_sync(cat, name):
+                on_step[name][0] += 1
+                on_step[name][1] += float(e.get("dur", 0.0))
     by_cat: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for (cat, _), (n, us) in by_name.items():
         by_cat[cat][0] += n
@@ -191,11 +200,14 @@ def summarize_trace(folder: Path, steps: int, top: int = 15) -> dict[str, Any]:
         "host_ops": ranked(("cpu_op", "python_function", "user_annotation")),
         "cuda_runtime": ranked(("cuda_runtime", "cuda_driver")),
         "waits_and_copies": {
-            n: per_step(v)
-            for (c, n), v in sorted(by_name.items())
-            if c in ("cuda_runtime", "cuda_driver") and any(k in n for k in SYNC)
+            n: per_step(v) for (c, n), v in sorted(by_name.items()) if _is_sync(c, n)
         },
+        "waits_and_copies_on_step_thread": {n: per_step(v) for n, v in sorted(on_step.items())},
     }
+
+
+def _is_sync(cat: str, name: str) -> bool:
+    return cat in ("cuda_runtime", "cuda_driver") and any(k in name for k in SYNC)
 
 
 def profile(engine: Any, folder: Path, prompts: list[list[int]], batch: int, steps: int,
@@ -205,7 +217,9 @@ def profile(engine: Any, folder: Path, prompts: list[list[int]], batch: int, ste
     from bench_serving import batch_prompts
 
     folder.mkdir(parents=True, exist_ok=True)
-    engine.start_profile(output_dir=str(folder), num_steps=steps, activities=["CPU", "GPU"])
+    # without Python stacks: tracing every Python call made a step 4-5 times as long
+    engine.start_profile(output_dir=str(folder), num_steps=steps, activities=["CPU", "GPU"],
+                         with_stack=False)  # fmt: skip
     params = {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": True}
     engine.generate(input_ids=batch_prompts(prompts, batch), sampling_params=params)
     deadline = time.time() + 120  # the trace is written when the last profiled step ends
