@@ -18,11 +18,15 @@ from pathlib import Path
 
 from codraft.draft.checkpoint import DraftMeta, load_draft, save_draft
 from codraft.draft.init import new_draft
+from codraft.draft.model import Eagle3Draft
 from codraft.models.config import TargetConfig
 
 
 def untrained_like(src: Path, out: Path, target: Path) -> Path:
     trained, _ = load_draft(src)
+    if not isinstance(trained, Eagle3Draft):
+        raise ValueError(f"{src} is a {type(trained).__name__}; expected an EAGLE-3 draft (only "
+                         "those carry a vocabulary map SGLang keeps)")  # fmt: skip
     cfg = trained.config
     model = new_draft(
         TargetConfig.from_pretrained(target),
