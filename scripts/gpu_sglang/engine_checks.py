@@ -212,9 +212,11 @@ def main() -> int:
     # Stock SGLang's outputs are kept in --out for the next call with the same settings and
     # draft: two engine starts a call saves when the checks go over two device calls.
     kept = out / "references.json"
+    meta_file = draft / "codraft.json"  # a draft from elsewhere (DFlash's own) has none: its path
     key = {"dtype": args.dtype, "attention_backend": args.attention_backend, "k": args.k,
            "prompts": prompts, "max_tokens": args.max_tokens, "native_ops": args.native_ops,
-           "draft": json.loads((draft / "codraft.json").read_text())["weights_sha256"]}  # fmt: skip
+           "draft": json.loads(meta_file.read_text()).get("weights_sha256") if meta_file.is_file()
+           else str(draft)}  # fmt: skip
 
     ref = stock = None
     if args.references:
