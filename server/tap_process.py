@@ -34,6 +34,7 @@ silent (counted in `tap_process_alive`).
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import queue
@@ -402,6 +403,13 @@ class TapProcess:
         self.publisher_totals = PublisherStats(**s["publisher"])
         self.publisher_gen = int(s["gen"])
         self.publisher_depth = int(s["queue_depth"])
+
+
+def publish_from(assembler: Any, tap: Any) -> None:
+    """When `assembler` is a tap process, the engine's tap switch (codraft.server.tap_switch)
+    opens its publisher there: the messages are built and sent by that process."""
+    if isinstance(assembler, TapProcess):
+        tap.make = functools.partial(RemotePublisher, assembler)
 
 
 def where_assembled(assembler: Any) -> dict[str, str]:

@@ -93,7 +93,7 @@ from codraft.server.draft_swap import DraftSwapper
 from codraft.server.engine_config import EngineConfig
 from codraft.server.hooks import RunnerHooks, StepListener, StepRecord
 from codraft.server.sleep_copy import digest
-from codraft.server.tap_process import RemotePublisher, TapProcess, where_assembled
+from codraft.server.tap_process import TapProcess, publish_from, where_assembled
 from codraft.server.tap_switch import TapSwitch
 from codraft.server.transfer import TRANSFERRED, Transfers, draft_places
 from codraft.server.weights import (
@@ -212,8 +212,7 @@ class CodraftEngine(StepListener, AutoRollback):
             max_tokens=self.cfg.tap_max_tokens,
             assembler=functools.partial(TapProcess, ring=ring) if in_process else None,
         )
-        if isinstance(self.capture.assembler, TapProcess):  # it publishes from there
-            self.tap.make = functools.partial(RemotePublisher, self.capture.assembler)
+        publish_from(self.capture.assembler, self.tap)
         try:
             self.tap.apply()
         except SwapError as e:

@@ -30,7 +30,6 @@ required.
 from __future__ import annotations
 
 import atexit
-import functools
 import inspect
 import itertools
 import json
@@ -50,7 +49,7 @@ from codraft.server.sglang.capture import SGLangCapture, Step
 from codraft.server.sglang.draft_weights import DraftWeights
 from codraft.server.sglang.rpc import RpcServer
 from codraft.server.sleep_copy import SleepCopy, digest, draft_tensors
-from codraft.server.tap_process import RemotePublisher, TapProcess, where_assembled
+from codraft.server.tap_process import TapProcess, publish_from, where_assembled
 from codraft.server.tap_switch import TapSwitch
 from codraft.server.weights import (
     DraftSlot,
@@ -196,8 +195,7 @@ class SGLangEngine(AutoRollback):
             self.target, self.tap.emit, lambda: self.current.version, self.cfg.tap_max_tokens,
             self.stats_,
         )  # fmt: skip
-        if isinstance(self.assembler, TapProcess):  # the tap process publishes
-            self.tap.make = functools.partial(RemotePublisher, self.assembler)
+        publish_from(self.assembler, self.tap)
         self.capture = SGLangCapture(
             self.assembler, want=self.tap.want, policy_version=lambda: self.policy.version
         )
