@@ -90,7 +90,8 @@ class TapSink:
         self.messages: dict[str, list[Any]] = {}
         self.rejected: list[str] = []
         self.stop = False
-        threading.Thread(target=self._run, daemon=True).start()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
 
     def _run(self) -> None:
         from codraft.tap.message import TapRejected, decode
@@ -106,6 +107,9 @@ class TapSink:
                 msg = decode(frames)
             except TapRejected as e:
                 self.rejected.append(f"{e.reason}: {e}")
+                continue
+            except Exception as e:  # kept, so that the sink goes on and the check can say why
+                self.rejected.append(f"{type(e).__name__}: {e}")
                 continue
             self.messages.setdefault(msg.header.request_id, []).append(msg)
 

@@ -314,6 +314,8 @@ def main() -> int:
                             "batch_index": outs.index(o),
                             "batch_requests_received": f"{sum(got)}/{len(got)}",
                             "sink_requests": len(sink.messages),
+                            "sink_frames_received": sink.count,
+                            "sink_alive": sink.thread.is_alive(),
                             "sink_rejected": list(sink.rejected),
                             "arrived_after_fresh": rid in sink.messages,
                             "tap_stats": http.get("/v1/tap", headers=auth).json().get("stats"),
