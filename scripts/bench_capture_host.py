@@ -108,6 +108,10 @@ def run(args: argparse.Namespace, arm: str, endpoint: str, received: Any) -> dic
     elif arm == "process":
         asm = TapProcess(target, None, lambda: 0, 8192, stats)
         pub = RemotePublisher(asm, endpoint, **pub_args)
+        # a serving engine's tap process is up long before a step is timed: its start (an
+        # interpreter importing torch, about a second) is not a step's cost
+        if not asm.flush(600):
+            raise RuntimeError("the tap process did not answer its first flush within 600 s")
     before = received.value
     t0 = time.perf_counter()
     for step in steps:
