@@ -711,3 +711,43 @@ def test_every_request_of_a_batch_after_a_warm_up_is_delivered(setup) -> None:
     for r in reqs:  # the whole sequence but the last token (never an input)
         assert got[r.rid] == len(r.origin_input_ids) + len(r.output_ids) - 1
     assert e.stats(flush=True)["tap"]["requests_incomplete"] == 0
+
+
+@pytest.mark.parametrize(
+    "setup", [{}, {"tap_assembly": "thread"}], indirect=True, ids=["process", "thread"]
+)
+def test_a_prefill_chunked_over_two_steps_comes_out_whole(setup) -> None:
+    """SGLang's chunked prefill: a prompt longer than the step's token budget is extended in
+    two steps, its first chunk beside other requests' whole prompts (no token appended for
+    it), its rest alone in the next step (its first output token then), before the batch
+    decodes. Its message carries every row of both chunks, once, in order."""
+    s, e = setup, setup.engine
+    long, short = Req("long", [1 + j % 50 for j in range(40)]), Req("short", [7, 8, 9])
+    first = [(t, p) for p, t in enumerate(long.origin_input_ids[:25])]
+    first += [(t, p) for p, t in enumerate(short.origin_input_ids)]
+    prev = step(s, [long, short], first, True, [25, 3])
+    rest = [(t, p) for p, t in enumerate(long.origin_input_ids) if p >= 25]
+    cur = step(s, [long], rest, True, [15])
+    short.output_ids = [60]  # the chunked request gets no token from its first chunk
+    e.on_result(*prev)
+    prev = cur
+    n_long = len(long.origin_input_ids)
+    verify = [(61, n_long), (99, n_long + 1), (98, n_long + 2), (60, 3), (99, 4), (98, 5)]
+    cur = step(s, [long, short], verify, False, accept=[1, 1])
+    long.output_ids = [61]
+    e.on_result(*prev)
+    long.output_ids, short.output_ids = [61, 62], [60, 63]
+    long.done = short.done = True
+    e.on_result(*cur)
+    got = {}
+    while s.pull.poll(3000):
+        m = decode(s.pull.recv_multipart())
+        got[m.header.request_id] = m
+    assert e.stats(flush=True)["tap"]["requests_incomplete"] == 0
+    assert set(got) == {"long", "short"}, sorted(got)
+    m = got["long"]
+    assert m.token_ids.tolist() == [*long.origin_input_ids, 61]
+    expected = torch.stack([feats(p, t, s.taps, s.h) for p, t in
+                            enumerate([*long.origin_input_ids, 61])])  # fmt: skip
+    taps = torch.as_tensor(m.taps).reshape(len(expected), -1).float()
+    assert torch.allclose(taps, expected[:, : s.taps * s.h])
