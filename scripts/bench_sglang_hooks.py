@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,7 @@ from codraft.draft.init import write_new_draft  # noqa: E402
 from codraft.models.config import TargetConfig  # noqa: E402
 from codraft.prepare import resolve_model  # noqa: E402
 from codraft.server.engine_config import EngineConfig  # noqa: E402
+from codraft.server.serve import free_port  # noqa: E402
 from codraft.server.sglang.engine import Settings, SGLangEngine, split_final  # noqa: E402
 
 RECEIVER = """
@@ -72,16 +72,9 @@ def spin(n: int) -> None:
         x += 1
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def make_engine(args: argparse.Namespace, arm: str, draft: Path, target: Path, endpoint: str,
+def make_engine(arm: str, draft: Path, taps: list[int], target: Path, endpoint: str,
                 work: Path) -> SGLangEngine:  # fmt: skip
     cfg = TargetConfig.from_pretrained(target)
-    taps = json.loads((draft / "codraft.json").read_text())["tap_layers"]
     model = torch.nn.Module()
     model.embed = torch.nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size))
     model.model = SimpleNamespace(layers_to_capture=list(taps))
@@ -101,15 +94,15 @@ def make_engine(args: argparse.Namespace, arm: str, draft: Path, target: Path, e
     return SGLangEngine(scheduler, Settings(str(draft), control, engine_cfg))
 
 
-def run(args: argparse.Namespace, arm: str, per_ms: float, draft: Path, target: Path,
-        endpoint: str, work: Path) -> dict[str, Any]:  # fmt: skip
+def run(args: argparse.Namespace, arm: str, per_ms: float, draft: Path, taps: list[int],
+        target: Path, endpoint: str, work: Path) -> dict[str, Any]:  # fmt: skip
     """One arm; the first `--life` steps (one generation of requests) are a warm-up."""
-    engine = None if arm == "none" else make_engine(args, arm, draft, target, endpoint, work)
+    engine = None if arm == "none" else make_engine(arm, draft, taps, target, endpoint, work)
     if engine is not None and not engine.assembler.flush(600):  # the tap process is up
         raise RuntimeError("the tap process did not answer within 600 s")
     B, rows, P = args.batch, args.k + 1, args.prompt  # noqa: N806
     hidden = TargetConfig.from_pretrained(target).hidden_size
-    width = (args.taps + 1) * hidden
+    width = (len(taps) + 1) * hidden
     prefill_hs = torch.randn(P * B, width).to(torch.bfloat16)
     verify_hs = torch.randn((B + 1) * rows, width).to(torch.bfloat16)  # + a padding request
     prefill_fb = SimpleNamespace(
@@ -190,7 +183,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--generations", type=int, default=8, help="timed generations of requests")
     p.add_argument("--host-ms", type=float, default=10.0, help="the scheduler's own work a step")
     p.add_argument("--gpu-ms", type=float, default=1.0, help="the wait for the GPU a step")
-    p.add_argument("--taps", type=int, default=3, help="the draft's tap layers (SmolLM2's: 3)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--arms", default="none,process,thread")
     args = p.parse_args(argv)
@@ -205,13 +197,10 @@ def main(argv: list[str] | None = None) -> int:
             work = Path(tmp)
             draft = write_new_draft(work / "draft", target, version=0)
             taps = json.loads((draft / "codraft.json").read_text())["tap_layers"]
-            if len(taps) != args.taps:
-                raise SystemExit(f"the draft for {target} reads {len(taps)} tap layers, "
-                                 f"--taps says {args.taps}")  # fmt: skip
             per_ms = calibrate()
             for _ in range(args.repeats):
                 for a in arms:
-                    runs[a].append(run(args, a, per_ms, draft, target, endpoint, work))
+                    runs[a].append(run(args, a, per_ms, draft, taps, target, endpoint, work))
                     print(a, json.dumps({k: v for k, v in runs[a][-1].items() if k != "tap"}),
                           flush=True)  # fmt: skip
     finally:
@@ -222,17 +211,20 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": " ".join(
             ["python scripts/bench_sglang_hooks.py", *(argv if argv is not None else sys.argv[1:])]
-        ),  # fmt: skip
+        ),
         "geometry": {
-            k: getattr(args, k)
-            for k in ("batch", "k", "accept", "prompt", "life", "taps", "host_ms", "gpu_ms")
-        },  # fmt: skip
+            **{
+                k: getattr(args, k)
+                for k in ("batch", "k", "accept", "prompt", "life", "host_ms", "gpu_ms")
+            },
+            "tap_layers": taps,
+        },
         "median": med,
         "added_ms_per_step": {
             a: med[a]["step_ms"] - med["none"]["step_ms"]
             for a in arms
             if a != "none" and "none" in med
-        },  # fmt: skip
+        },
         "cpus": os.cpu_count(),
         "runs": runs,
     }
