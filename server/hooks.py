@@ -350,7 +350,7 @@ class RunnerHooks:
                 ranges.append((s.start, s.start + s.num_tokens))
                 offset += s.num_tokens
             t0 = time.perf_counter_ns()
-            record.rows = self.copier.copy(input_ids, positions, taps, hidden, _merge(ranges))
+            record.rows = self.copier.copy(input_ids, positions, taps, hidden, ranges)
             self.times.gather_ns += time.perf_counter_ns() - t0
             if record.rows is None:
                 record.row_offsets.clear()
@@ -369,14 +369,3 @@ class RunnerHooks:
 def _is_dummy_run(args: tuple, kwargs: dict) -> bool:
     """V2's execute_model(scheduler_output, intermediate_tensors, dummy_run, ...)."""
     return bool(kwargs.get("dummy_run", args[1] if len(args) > 1 else False))
-
-
-def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Adjacent [start, end) ranges joined (the usual case is one range: every row)."""
-    out = [ranges[0]]
-    for s, e in ranges[1:]:
-        if s == out[-1][1]:
-            out[-1] = (out[-1][0], e)
-        else:
-            out.append((s, e))
-    return out

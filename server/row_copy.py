@@ -87,6 +87,19 @@ class StagedRows:
             self._release()
 
 
+def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent [start, end) ranges joined. The usual step captures every request, whose rows
+    lie one after another: one range, which the gather copies as a slice (no index to build
+    and send to the device)."""
+    out: list[tuple[int, int]] = []
+    for s, e in ranges:
+        if out and s == out[-1][1]:
+            out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
 def row_index(ranges: list[tuple[int, int]]) -> np.ndarray:
     """The flat row numbers of `ranges` ([start, end) pairs), in order."""
     return np.concatenate([np.arange(s, e, dtype=np.int64) for s, e in ranges])
@@ -125,6 +138,7 @@ class RowCopier:
         """Rows `ranges` ([start, end) into the flat batch) of the ids, the positions, the tap
         layers (each [N, H]; side by side: [M, T * H]) and the final hidden state ([N, H]); None
         when the rows would exceed the device memory bound."""
+        ranges = merge_ranges(ranges)
         rows = sum(e - s for s, e in ranges)
         width = sum(t.shape[-1] for t in taps) + hidden.shape[-1]
         ring = self.ring if self.ring is not None and self.ring.usable else None
