@@ -611,6 +611,49 @@ def test_a_profiled_sglang_step_is_summarised_per_step(tmp_path: Path) -> None:
         smoke.summarize_trace(tmp_path / "empty", steps=1)
 
 
+def test_codraft_hooks_are_named_in_a_real_profiler_trace(tmp_path: Path, monkeypatch) -> None:
+    """The plugin's step hooks run inside "codraft.*" ranges while torch's profiler records
+    (and outside any range when it does not), and summarize_trace reads them back from the
+    trace torch writes, so an SGLang profile names codraft's host time per step."""
+    sys.path.insert(0, str(REPO / "scripts" / "gpu_sglang"))
+    import eagle3_smoke as smoke
+    import torch
+
+    from codraft.server.sglang import plugin
+
+    calls: list[str] = []
+
+    class Engine:  # stands in for SGLangEngine: what the hooks call, recorded
+        def on_batch(self, batch):
+            calls.append(f"on_batch:{torch.autograd._profiler_enabled()}")
+
+        def end_batch(self, result):
+            calls.append("end_batch")
+
+        def on_result(self, batch, result):
+            calls.append("on_result")
+
+        def poll(self):
+            calls.append("poll")
+
+    monkeypatch.setattr(plugin, "_engine", Engine())
+    plugin._generation(lambda worker, batch: "result", None, "batch")  # no profiler
+    steps = 3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            assert plugin._generation(lambda worker, batch: "result", None, "batch") == "result"
+            plugin._batch_result(None, None, "batch", "result")
+            plugin._inputs(None, None)
+    (tmp_path / "p").mkdir()
+    prof.export_chrome_trace(str(tmp_path / "p" / "trace.json"))
+    assert calls[0] == "on_batch:False" and calls[1:5] == [
+        "end_batch", "on_batch:True", "end_batch", "on_result"]  # fmt: skip
+    hooks = smoke.summarize_trace(tmp_path / "p", steps=steps)["codraft_hooks"]
+    assert sorted(hooks) == [
+        "codraft.end_batch", "codraft.on_batch", "codraft.on_result", "codraft.poll"]  # fmt: skip
+    assert all(v["count"] == 1.0 and v["us"] > 0 for v in hooks.values()), hooks
+
+
 def test_sglang_kit_scripts_parse() -> None:
     """The SGLang kit's scripts run on the GPU machine only; here: they parse and answer --help
     (their imports of SGLang and of the GPU's packages are inside their functions)."""

@@ -161,7 +161,8 @@ def summarize_trace(folder: Path, steps: int, top: int = 15) -> dict[str, Any]:
     microseconds per step, the `top` names of host ops and CUDA runtime calls by time per step,
     and the runtime calls that make the host wait or copy (SYNC) with their counts per step:
     all of them, and those on the scheduler's step thread (the one that runs STEP_OP), whose
-    waits hold the next step back, unlike a helper thread's."""
+    waits hold the next step back, unlike a helper thread's; and codraft's own hooks (the
+    plugin's "codraft.*" ranges), each whatever its rank."""
     import gzip
     from collections import defaultdict
 
@@ -207,6 +208,11 @@ def summarize_trace(folder: Path, steps: int, top: int = 15) -> dict[str, Any]:
             n: per_step(v) for (c, n), v in sorted(by_name.items()) if _is_sync(c, n)
         },
         "waits_and_copies_on_step_thread": {n: per_step(v) for n, v in sorted(on_step.items())},
+        "codraft_hooks": {
+            n: per_step(v)
+            for (c, n), v in sorted(by_name.items())
+            if c == "user_annotation" and n.startswith("codraft.")
+        },
     }
 
 
