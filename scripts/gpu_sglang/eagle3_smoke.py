@@ -346,7 +346,11 @@ def run(args: argparse.Namespace) -> int:
             "speculative_num_steps": args.k, "speculative_eagle_topk": 1,
             "speculative_num_draft_tokens": args.k + 1,
         }  # fmt: skip
-        arms = {"plain": base, "eagle3": {**base, **spec}}
+        arms = (
+            {"eagle3": {**base, **spec}}
+            if args.no_plain
+            else {"plain": base, "eagle3": {**base, **spec}}
+        )
         envs: dict[str, dict[str, str]] = {}
         sink = None
         if args.codraft:  # the same draft with codraft's engine inside, the tap on
@@ -421,6 +425,11 @@ def main() -> int:
         "(EngineConfig.tap_assembly='thread') instead of its tap process",
     )  # fmt: skip
     pr.add_argument("--repeats", type=int, default=3, help="timed runs per batch (median)")
+    pr.add_argument(
+        "--no-plain", action="store_true",
+        help="leave out the arm without speculation (its start is the longest): stock against "
+        "codraft only, no identity to plain decoding",
+    )  # fmt: skip
     pr.add_argument(
         "--profile-batch", type=int, default=0,
         help="after each speculative arm's sweep, profile one batch of this many requests "
