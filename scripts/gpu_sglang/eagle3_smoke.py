@@ -162,7 +162,7 @@ def summarize_trace(folder: Path, steps: int, top: int = 15) -> dict[str, Any]:
     and the runtime calls that make the host wait or copy (SYNC) with their counts per step:
     all of them, and those on the scheduler's step thread (the one that runs STEP_OP), whose
     waits hold the next step back, unlike a helper thread's; and codraft's own hooks (the
-    plugin's "codraft.*" ranges), each whatever its rank."""
+    plugin's "codraft.*" ranges), all of them, ranked or not."""
     import gzip
     from collections import defaultdict
 
@@ -346,11 +346,9 @@ def run(args: argparse.Namespace) -> int:
             "speculative_num_steps": args.k, "speculative_eagle_topk": 1,
             "speculative_num_draft_tokens": args.k + 1,
         }  # fmt: skip
-        arms = (
-            {"eagle3": {**base, **spec}}
-            if args.no_plain
-            else {"plain": base, "eagle3": {**base, **spec}}
-        )
+        arms = {"plain": base, "eagle3": {**base, **spec}}
+        if args.no_plain:
+            del arms["plain"]
         envs: dict[str, dict[str, str]] = {}
         sink = None
         if args.codraft:  # the same draft with codraft's engine inside, the tap on
