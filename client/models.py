@@ -35,6 +35,16 @@ class Acceptance(_Reply):
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
 
+class RollbackEvent(_Reply):
+    """One rollback of the serving draft, asked for or automatic (then `reason` says why)."""
+
+    from_version: int | None = None
+    to_version: int | None = None
+    reason: str | None = None
+    auto: bool | None = None
+    at: str | None = None
+
+
 class DraftInfo(_Reply):
     """GET /v1/draft, and the answer to a draft load or rollback (those carry no acceptance)."""
 
@@ -45,7 +55,9 @@ class DraftInfo(_Reply):
     kind: str | None = None  # "eagle3" or "dflash"
     tap_layers: list[int] = Field(default_factory=list)
     previous_version: int | None = None
+    previous_path: str | None = None  # the draft a rollback installs
     highest_version: int | None = None  # a new draft's version must exceed it (409 otherwise)
+    rollbacks: list[RollbackEvent] = Field(default_factory=list)  # the latest, oldest first
     # True: the engine keeps the vocabulary map (d2t) it started with (SGLang), and a new draft
     # must carry the serving draft's; False: a draft may bring its own (vLLM).
     vocab_map_fixed: bool = False

@@ -6,8 +6,12 @@
    kind the server serves, from the tap stream, publishing drafts);
 3. drives reasoning-gym prompts through the official openai client for --minutes, showing
    acceptance length and tokens/s per draft version live;
-4. stops both cleanly, measures the latest draft against no speculation on held-out prompts
-   (same greedy requests, separate vLLM engines), and writes a JSON report and a PNG plot.
+4. stops both cleanly, measures the draft the server was serving at the end (its own copy,
+   which no checkpoint retention deletes) against no speculation on held-out prompts (same
+   greedy requests, separate vLLM engines), and writes a JSON report and a PNG plot; the
+   server's rollbacks (automatic or not, with their reasons) are in the live view and the
+   report. A failure on the way is written to the report (`error`) and ends the demo with
+   exit status 1 and a one-line message, not a traceback.
 
     python scripts/demo.py --minutes 12 --out runs/demo
     python scripts/demo.py --minutes 12 --out runs/demo-dflash --drafter dflash
@@ -28,7 +32,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from codraft.client import CodraftClient
+from codraft.client import CodraftClient, CodraftError
 from codraft.client.prom import acceptance_by_version
 from codraft.drafters import SERVED_DRAFTERS
 from codraft.prepare import prepare_smollm2
@@ -55,6 +59,10 @@ def _stop(proc: subprocess.Popen | None) -> None:
 
 def _acceptance(client: CodraftClient) -> dict[int, float]:
     return acceptance_by_version(client.metrics())
+
+
+def _rollbacks(draft) -> list[dict]:
+    return [r.model_dump() for r in draft.rollbacks]
 
 
 async def drive(args, base_url: str, client: CodraftClient, out: Path) -> tuple:
@@ -97,25 +105,37 @@ async def drive(args, base_url: str, client: CodraftClient, out: Path) -> tuple:
             )
             bar.update(1)
 
+    rollbacks: list[dict] = []
+
     async def monitor() -> None:
         while time.time() < end:
-            await asyncio.sleep(10)
-            acc = await asyncio.to_thread(_acceptance, client)
-            version = (await asyncio.to_thread(client.draft)).version
+            await asyncio.sleep(min(10.0, max(0.0, end - time.time())))
+            try:
+                acc = await asyncio.to_thread(_acceptance, client)
+                draft = await asyncio.to_thread(client.draft)
+            except CodraftError as e:  # the server is slow or gone: the requests say which
+                bar.write(f"monitor: {e}")
+                continue
+            version = draft.version
+            for r in _rollbacks(draft)[len(rollbacks) :]:
+                rollbacks.append(r)
+                bar.write(f"rollback v{r['from_version']} -> v{r['to_version']}: {r['reason']}")
             recent = [r for r in records if r["t"] > time.time() - t0 - 30]
             tps = sum(r["tokens"] for r in recent) / 30.0
             samples.append({"t": time.time() - t0, "version": version, "acceptance": acc,
                             "tokens_per_s": tps})  # fmt: skip
             bar.set_postfix(
                 draft=f"v{version}", accept=f"{acc.get(version, float('nan')):.2f}",
-                tok_s=f"{tps:.1f}",
+                tok_s=f"{tps:.1f}", rollbacks=len(rollbacks),
             )  # fmt: skip
-            (out / "live.json").write_text(json.dumps({"samples": samples}, indent=1))
+            (out / "live.json").write_text(
+                json.dumps({"samples": samples, "rollbacks": rollbacks}, indent=1)
+            )
 
     await asyncio.gather(monitor(), *(worker() for _ in range(args.concurrency)))
     bar.close()
     await oai.close()
-    return records, samples, failures
+    return records, samples, failures, rollbacks
 
 
 def plot(samples: list[dict], report: dict, path: Path) -> None:
@@ -136,9 +156,12 @@ def plot(samples: list[dict], report: dict, path: Path) -> None:
     b.set_ylabel("served tokens/s (30 s window)")
     b.set_xlabel("minutes")
     b.grid(alpha=0.3)
+    speed = report.get("speedup")
     fig.suptitle(
-        f"SmolLM2-135M on CPU, {report['drafter']}: latest draft "
-        f"{report.get('speedup') or 0:.2f}x vs no speculation"
+        f"SmolLM2-135M on CPU, {report['drafter']}: served draft "
+        f"v{report.get('final_draft_version')} "
+        + (f"{speed:.2f}x vs no speculation" if speed else "not measured")
+        + f", {report.get('rollbacks', 0)} rollbacks"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -159,6 +182,28 @@ def main() -> int:
     args = p.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"drafter": args.drafter, "minutes": args.minutes}
+    try:
+        run(args, out, report)
+    except (Exception, KeyboardInterrupt) as e:
+        report["error"] = f"{type(e).__name__}: {e}"
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    try:
+        plot(report.get("samples") or [], report, out / "demo.png")
+    except Exception as e:  # a report without a plot still says what happened
+        report.setdefault("error", f"plotting failed: {type(e).__name__}: {e}")
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+    shown = {k: v for k, v in report.items() if k != "samples"}
+    print(json.dumps(shown, indent=2))
+    if "error" in report:
+        print(f"demo failed: {report['error']} (logs and report.json in {out})", file=sys.stderr)
+        return 1
+    print(f"plot: {out / 'demo.png'}")
+    return 0
+
+
+def run(args, out: Path, report: dict) -> None:
+    """Steps 1-4, filling `report` as they go (what was measured survives a later failure)."""
     model = prepare_smollm2().path
     token_file = out / "control-token"
     token_file.write_text(secrets.token_hex(16))
@@ -193,45 +238,46 @@ def main() -> int:
             out / "learner.log",
         )  # fmt: skip
         print(f"[3/4] serving reasoning-gym prompts for {args.minutes:g} minutes", flush=True)
-        records, samples, failures = asyncio.run(
+        records, samples, failures, _ = asyncio.run(
             drive(args, f"http://127.0.0.1:{port}", client, out)
         )
-        final = client.draft()
+        final = client.draft()  # what serves at the end: the draft the held-out run measures
+        rollbacks = _rollbacks(final)
+        report.update(
+            requests=len(records),
+            failed_requests=len(failures),
+            failures=failures[:5],
+            final_draft_version=final.version,
+            final_draft_path=final.path,
+            highest_draft_version=final.highest_version,
+            rollbacks=len(rollbacks),
+            auto_rollbacks=sum(bool(r["auto"]) for r in rollbacks),
+            rollback_events=rollbacks,
+            acceptance_by_version=samples[-1]["acceptance"] if samples else {},
+            samples=samples,
+        )
     finally:
         _stop(learner)
         _stop(server)
-    print("[4/4] latest draft vs no speculation on held-out prompts", flush=True)
+    print(f"[4/4] draft v{final.version} (served at the end) vs no speculation on held-out "
+          "prompts", flush=True)  # fmt: skip
+    if not final.path or not Path(final.path).is_dir():
+        raise RuntimeError(f"the served draft v{final.version}'s folder {final.path} is gone")
     held = [p.question for p in reasoning_prompts(args.heldout, seed=args.seed + 1)]
     common = dict(target=str(model), prompts=held, chat=True, max_tokens=args.max_tokens)
     base = run_arm_subprocess(ArmSpec(**common), out / "arms")
-    spec = None
-    if final.version and final.path:
-        spec = run_arm_subprocess(
-            ArmSpec(**common, draft=final.path, num_speculative_tokens=args.k,
-                    method=args.drafter),
-            out / "arms",
-        )  # fmt: skip
-    report = {
-        "drafter": args.drafter,
-        "minutes": args.minutes,
-        "requests": len(records),
-        "failed_requests": len(failures),
-        "final_draft_version": final.version,
-        "acceptance_by_version": samples[-1]["acceptance"] if samples else {},
-        "baseline_tokens_per_s": base.tokens_per_s,
-        "spec_tokens_per_s": spec.tokens_per_s if spec else None,
-        "speedup": spec.tokens_per_s / base.tokens_per_s if spec else None,
-        "heldout_acceptance_length": spec.acceptance_length if spec else None,
-        "identical_outputs": (
-            sum(a == b for a, b in zip(base.token_ids, spec.token_ids, strict=True))
-            if spec else None
-        ),
-    }  # fmt: skip
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    plot(samples, report, out / "demo.png")
-    print(json.dumps(report, indent=2))
-    print(f"plot: {out / 'demo.png'}")
-    return 0
+    report["baseline_tokens_per_s"] = base.tokens_per_s
+    spec = run_arm_subprocess(
+        ArmSpec(**common, draft=final.path, num_speculative_tokens=args.k, method=args.drafter),
+        out / "arms",
+    )
+    report.update(
+        heldout_prompts=len(held),
+        spec_tokens_per_s=spec.tokens_per_s,
+        speedup=spec.tokens_per_s / base.tokens_per_s,
+        heldout_acceptance_length=spec.acceptance_length,
+        identical_outputs=sum(a == b for a, b in zip(base.token_ids, spec.token_ids, strict=True)),
+    )
 
 
 if __name__ == "__main__":

@@ -1,27 +1,52 @@
-"""Acceptance of each draft version, overall and over sliding windows, and the rollback rule.
+"""Acceptance of each draft version, and the automatic-rollback rule.
 
 A *verification* is one request's draft proposals checked by the target in one engine step
-(vLLM's "draft"). Each step adds, per draft version, the number of verifications, draft tokens
-proposed and draft tokens accepted. The window of a version is its most recent steps that hold
-at least `window` verifications; its rate is accepted tokens / draft tokens over that window.
+(vLLM's "draft"). Each is attributed to the draft version that proposed it and counted when its
+step's tokens are handed over (`record` for the per-version totals, `observe` for the rule).
 
-Automatic rollback compares *whole requests*: the requests every draft of which one version
-proposed, counted when they finish (`observe`, `close`), over the most recent of them that hold
-at least `window` verifications (`request_rate`). When the current draft's rate falls below
-`fraction` x the previous draft's (frozen at the swap), the current draft is rolled back; a
-previous draft without such a window gives no reference, so it never triggers a rollback.
-Whole requests, not the last steps: acceptance climbs along a generation (the first tokens of an
-answer are the hardest to guess, its tail often repeats), so the first steps of a new batch
-against the last steps of the previous one compare heads with tails. That is what rollout
-traffic looks like (a draft is pushed between batches); on an H200 a draft pushed identical
-to the one serving was rolled back, most likely so.
+**The rollback rule compares like with like.** Acceptance climbs along a generation (an answer's
+first tokens are the hardest to guess, its tail often repeats), so two drafts must be compared
+at the same places in their requests, not over whatever traffic each happened to see. Every
+verification is filed in a *stratum*: the number of tokens its request had generated before it,
+in powers of two (0, 1, 2-3, 4-7, ...). When a draft is swapped in, the previous draft's strata,
+counted since it began serving, are frozen as the reference (`begin`). The new draft's
+verifications are then weighed against what the reference accepted in the same strata:
+
+    expected = sum over strata s of  new.draft_tokens[s] x reference.rate[s]
+    ratio    = new.accepted / expected
+
+over the strata where the reference holds at least window / 16 verifications. Once the new
+draft has `window` such verifications from at least `min_requests` requests and its ratio is
+below `fraction` by `SPREADS` standard errors, it is rolled back (`verdict`, `AutoRollback`).
+Requests are the sampled units (a request's tokens are alike), so the error comes from the
+ratio's spread over requests; a draft that accepts nothing has ratio 0 and no spread, and goes
+at its first full window.
+
+Every verification counts when it happens, whether its request has finished or not and whichever
+draft proposed the request's earlier tokens. A rule that waited for whole requests saw, right
+after a swap, the short requests that finish first, and held them against the longer ones the
+previous draft had finished: the demo's co-trained drafts were rolled back on that bias while
+the per-version totals showed them equal or better.
+
+A new target policy moves every draft's acceptance: `restart` starts the serving draft's strata
+afresh and drops the reference, so a draft is never judged against acceptance measured under
+another policy.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import math
+from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+SPREADS = 2.0  # standard errors the ratio must sit below the fraction by
+STRATA = 16  # positions 0, 1, 2-3, ..., 2**14 and beyond share the last
+
+
+def stratum(position: int) -> int:
+    """The stratum of a verification made after `position` generated tokens."""
+    return min(position.bit_length(), STRATA - 1)
 
 
 @dataclass
@@ -54,123 +79,201 @@ class Counts:
         }
 
 
-class Acceptance:
-    """Per-version totals and sliding windows (see module doc)."""
+@dataclass
+class Strata:
+    """One draft's verifications by stratum since it began serving (under one policy), and
+    its comparison with the reference frozen then: per request, what it accepted (O) and what
+    the reference would have accepted on the same draft tokens (E), in running sums from which
+    the ratio's spread over requests follows."""
 
-    def __init__(self, window: int, max_open: int = 65536) -> None:
+    version: int
+    rates: list[float | None] | None = None  # the reference's rate per stratum (None: too few)
+    reference_version: int | None = None
+    cells: list[Counts] = field(default_factory=lambda: [Counts() for _ in range(STRATA)])
+    requests: int = 0  # distinct requests with a verification here
+    compared: int = 0  # verifications in strata the reference covers
+    compared_requests: int = 0
+    observed: int = 0  # sum of O
+    expected: float = 0.0  # sum of E
+    _oo: float = 0.0  # sums over requests of O^2, O*E, E^2
+    _oe: float = 0.0
+    _ee: float = 0.0
+    _open: dict[str, list[float]] = field(default_factory=dict)  # running requests' [O, E]
+
+    def compare(self, req_id: str, accepted: int, expected: float) -> None:
+        t = self._open.get(req_id)
+        if t is None:
+            t = self._open[req_id] = [0.0, 0.0]
+            self.compared_requests += 1
+        o, e = t
+        self._oo -= o * o
+        self._oe -= o * e
+        self._ee -= e * e
+        o, e = o + accepted, e + expected
+        self._oo += o * o
+        self._oe += o * e
+        self._ee += e * e
+        t[0], t[1] = o, e
+        self.compared += 1
+        self.observed += accepted
+        self.expected += expected
+
+    def done(self, req_id: str) -> None:
+        """The request will not be verified again: its sums stay, its entry goes."""
+        self._open.pop(req_id, None)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The new draft against the reference over the strata the reference covers."""
+
+    version: int
+    reference_version: int
+    verifications: int  # the new draft's, in the compared strata
+    requests: int  # requests those verifications came from
+    accepted: int
+    expected: float  # what the reference would have accepted on the same draft tokens
+    spread: float  # the ratio's standard error, from its spread over requests
+
+    @property
+    def ratio(self) -> float:
+        return self.accepted / self.expected if self.expected > 0 else 1.0
+
+    def collapsed(self, fraction: float) -> bool:
+        """Below `fraction` even at the top of the ratio's error bar."""
+        return self.expected > 0 and self.ratio + SPREADS * self.spread < fraction
+
+    def reason(self, fraction: float) -> str:
+        return (
+            f"auto: draft v{self.version} accepted {self.accepted} draft tokens over "
+            f"{self.verifications} verifications in {self.requests} requests where "
+            f"v{self.reference_version}, at the same positions of its requests, accepted "
+            f"{self.expected:.1f} (ratio {self.ratio:.3f} +- {self.spread:.3f}, below {fraction})"
+        )
+
+
+class Acceptance:
+    """Per-version totals and the strata of the rollback rule (see module doc)."""
+
+    def __init__(self, window: int, min_requests: int = 1, max_open: int = 65536) -> None:
         self.window = window
+        self.min_requests = min_requests
+        # reference verifications a stratum needs to enter the comparison
+        self.stratum_min = max(1, window // 16)
         self.max_open = max_open  # running requests tracked (a request never closed ages out)
         self.totals: dict[int, Counts] = {}
-        self._steps = _Windows(window)  # by step
-        self._requests = _Windows(window)  # by whole request
-        # requests running: [version (None once two versions proposed), drafts, tokens, accepted]
+        self._strata: dict[int, Strata] = {}
+        # running requests: [tokens generated so far, the Strata last counted it]
         self._open: dict[str, list] = {}
 
     def record(self, version: int, drafts: int, draft_tokens: int, accepted: int) -> None:
+        """One step's verifications proposed by `version` (the per-version totals)."""
         if drafts <= 0:
             return
         self.totals.setdefault(version, Counts()).add(drafts, draft_tokens, accepted)
-        self._steps.add(version, drafts, draft_tokens, accepted)
 
     def observe(self, req_id: str, version: int, draft_tokens: int, accepted: int) -> None:
-        """One verification of a running request (its drafts proposed by `version`)."""
+        """One verification of a running request, its drafts proposed by `version`."""
         t = self._open.get(req_id)
         if t is None:
-            self._open[req_id] = [version, 1, draft_tokens, accepted]
+            t = self._open[req_id] = [0, None]
             if len(self._open) > self.max_open:  # the oldest first (insertion order)
-                del self._open[next(iter(self._open))]
-            return
-        if t[0] != version:
-            t[0] = None
-        t[1] += 1
-        t[2] += draft_tokens
-        t[3] += accepted
+                self.close(next(iter(self._open)))
+        strata = self._strata.get(version)
+        if strata is None:
+            strata = self._strata[version] = Strata(version)
+        if t[1] is not strata:
+            if t[1] is not None:
+                t[1].done(req_id)
+            t[1] = strata
+            strata.requests += 1
+        s = stratum(t[0])
+        strata.cells[s].add(1, draft_tokens, accepted)
+        if strata.rates is not None and (rate := strata.rates[s]) is not None:
+            strata.compare(req_id, accepted, draft_tokens * rate)
+        t[0] += 1 + accepted
 
     def close(self, req_id: str) -> None:
-        """The request finished: a whole request of one version joins that version's window."""
+        """The request finished."""
         t = self._open.pop(req_id, None)
-        if t is not None and t[0] is not None:
-            self._requests.add(t[0], t[1], t[2], t[3])
+        if t is not None and t[1] is not None:
+            t[1].done(req_id)
 
-    def window_counts(self, version: int) -> Counts | None:
-        """Counts over the version's last full window of steps; None before it has `window`
-        verifications."""
-        return self._steps.counts(version)
+    def begin(self, version: int, previous: int | None) -> None:
+        """`version` starts serving: its strata start over, judged against `previous`'s as
+        counted so far (None: no reference)."""
+        ref = self._strata.get(previous) if previous is not None else None
+        self._strata = {previous: ref} if ref is not None else {}
+        if ref is None:
+            self._strata[version] = Strata(version)
+            return
+        rates = [c.rate if c.drafts >= self.stratum_min else None for c in ref.cells]
+        self._strata[version] = Strata(version, rates, ref.version)
 
-    def window_rate(self, version: int) -> float | None:
-        c = self.window_counts(version)
-        return None if c is None else c.rate
+    def restart(self, version: int) -> None:
+        """A rollback to `version`, or a new policy under it: its strata start over and there
+        is no reference (nothing to roll back to, or nothing measured under this policy)."""
+        self._strata = {version: Strata(version)}
 
-    def request_rate(self, version: int) -> float | None:
-        """The rate over the version's most recent whole requests holding `window`
-        verifications; None before it has them."""
-        c = self._requests.counts(version)
-        return None if c is None else c.rate
+    def strata(self, version: int) -> Strata | None:
+        return self._strata.get(version)
 
-    def reset_window(self, version: int) -> None:
-        """Forget a version's windows (they start over when it serves again)."""
-        self._steps.reset(version)
-        self._requests.reset(version)
+    def verdict(self, version: int) -> Verdict | None:
+        """`version` against its reference, once it has `window` compared verifications from
+        `min_requests` requests; None before (or without a reference)."""
+        new = self._strata.get(version)
+        if (
+            new is None
+            or new.reference_version is None
+            or new.compared < self.window
+            or new.compared_requests < self.min_requests
+            or new.expected <= 0
+        ):
+            return None
+        ratio = new.observed / new.expected
+        # the ratio's variance with requests as the sampled units (their tokens move together)
+        var = (new._oo - 2 * ratio * new._oe + ratio * ratio * new._ee) / new.expected**2
+        return Verdict(
+            version, new.reference_version, new.compared, new.compared_requests, new.observed,
+            new.expected, math.sqrt(max(var, 0.0)),
+        )  # fmt: skip
 
     def snapshot(self) -> dict[str, dict[str, float | int]]:
         return {str(v): c.to_dict() for v, c in sorted(self.totals.items())}
 
 
-def should_roll_back(current_rate: float | None, reference: float | None, fraction: float) -> bool:
-    """The rollback rule: both rates known and current < fraction x reference."""
-    if current_rate is None or reference is None:
-        return False
-    return current_rate < fraction * reference
+def should_roll_back(verdict: Verdict | None, fraction: float) -> bool:
+    """The rollback rule: a verdict whose ratio is below `fraction` at the top of its error
+    bar."""
+    return verdict is not None and verdict.collapsed(fraction)
 
 
-class _Windows:
-    """Per version, the most recent entries (steps or requests) holding `window` verifications."""
-
-    def __init__(self, window: int) -> None:
-        self.window = window
-        self._recent: dict[int, deque[tuple[int, int, int]]] = {}
-        self._held: dict[int, int] = {}
-
-    def add(self, version: int, drafts: int, draft_tokens: int, accepted: int) -> None:
-        recent = self._recent.setdefault(version, deque())
-        recent.append((drafts, draft_tokens, accepted))
-        held = self._held.get(version, 0) + drafts
-        # Drop the oldest entries while the rest still hold a full window.
-        while len(recent) > 1 and held - recent[0][0] >= self.window:
-            held -= recent.popleft()[0]
-        self._held[version] = held
-
-    def counts(self, version: int) -> Counts | None:
-        recent = self._recent.get(version)
-        if not recent:
-            return None
-        c = Counts()
-        for s in recent:
-            c.add(*s)
-        return c if c.drafts >= self.window else None
-
-    def reset(self, version: int) -> None:
-        self._recent.pop(version, None)
-        self._held.pop(version, None)
+ROLLBACKS_KEPT = 32  # the rollback history an engine reports (GET /v1/draft)
 
 
 class AutoRollback:
-    """Both engines' automatic-rollback check (a mixin): reads `cfg` (EngineConfig),
-    `acceptance`, `current` and `previous` (draft slots) and `reference_rate`; sets
+    """Both engines' automatic-rollback check and rollback history (a mixin): reads `cfg`
+    (EngineConfig), `acceptance`, `current` and `previous` (draft slots); sets
     `pending_rollback` to the reason, which the engine acts on between steps."""
 
     pending_rollback: str | None = None
+    rollback_history: list[dict]
 
     def _check_rollback(self) -> None:
         if not self.cfg.auto_rollback or self.previous is None or self.pending_rollback:
             return
-        rate, reference = self.acceptance.request_rate(self.current.version), self.reference_rate
-        if should_roll_back(rate, reference, self.cfg.rollback_fraction):
-            self.pending_rollback = (
-                f"auto: draft v{self.current.version} accepts {rate:.3f} of its tokens over "
-                f"whole requests holding {self.cfg.rollback_window}+ verifications, below "
-                f"{self.cfg.rollback_fraction} x v{self.previous.version}'s {reference:.3f}"
-            )
+        verdict = self.acceptance.verdict(self.current.version)
+        if should_roll_back(verdict, self.cfg.rollback_fraction):
+            assert verdict is not None
+            self.pending_rollback = verdict.reason(self.cfg.rollback_fraction)
+
+    def _note_rollback(self, rolled: int, to: int, reason: str, auto: bool, at: str) -> None:
+        history = self.__dict__.setdefault("rollback_history", [])
+        history.append(
+            {"from_version": rolled, "to_version": to, "reason": str(reason)[:500],
+             "auto": auto, "at": at}
+        )  # fmt: skip
+        del history[:-ROLLBACKS_KEPT]
 
 
 class FinishedVersions:

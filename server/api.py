@@ -40,7 +40,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from codraft.server.auth import ControlError, bearer_auth, control_error_response
-from codraft.server.committed import write_record
+from codraft.server.committed import recorded_paths, write_record
+from codraft.server.draft_store import DraftStore
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class ControlSettings:
     max_body_bytes: int = 8192
     checkpoint_root: str | None = None  # if set, loaded paths must resolve inside it
     committed_file: str | None = None  # where the serving draft is recorded (server.committed)
+    draft_store: str | None = None  # the server's copies of its drafts (server.draft_store)
 
 
 # ------------------------------------------------------------------------- request bodies
@@ -126,6 +128,14 @@ class ErrorReply(BaseModel):
     detail: str
 
 
+class RollbackEntry(_Reply):
+    from_version: int
+    to_version: int
+    reason: str
+    auto: bool
+    at: str
+
+
 class DraftReply(_Reply):
     """The serving draft (and whatever else the engine reports with it)."""
 
@@ -135,6 +145,9 @@ class DraftReply(_Reply):
     loaded_at: str | None = None
     kind: Literal["eagle3", "dflash"] | None = None
     tap_layers: list[int] | None = None
+    previous_version: int | None = None
+    previous_path: str | None = None
+    rollbacks: list[RollbackEntry] | None = None
 
 
 class TensorDigest(BaseModel):
@@ -261,6 +274,8 @@ class EngineControl:
         self.draining = False  # set on SIGTERM: /ready answers 503 while requests drain
         self._refresher: asyncio.Task | None = None
         self._recorded: tuple | None = None  # the draft last written to committed_file
+        self.store = DraftStore(self.settings.draft_store) if self.settings.draft_store else None
+        self._staged_path: str | None = None  # the store's folder of the last draft prepared
         self._record_lock = asyncio.Lock()
         # where complete responses' version headers came from: "engine" (the draft serving
         # when the request finished) or "arrival" (the engine could not tell: the cached
@@ -328,6 +343,31 @@ class EngineControl:
                     "serve an older draft", key[0], self.settings.committed_file, e,
                 )  # fmt: skip
 
+    async def keep(self, path: str) -> str:
+        """The store's copy of the draft at `path` (the path itself without a store); under the
+        swap lock, so that no prune removes it before the engine has read it."""
+        if self.store is None:
+            return path
+        try:
+            return await asyncio.to_thread(self.store.keep, path)
+        except OSError as e:
+            raise ControlError(
+                500, f"could not keep a copy of {path} in {self.store.root}: {e}"
+            ) from None
+
+    async def _prune(self, reply: dict) -> None:
+        """Drop the store's entries that nothing holds after a change of the serving draft."""
+        draft = reply.get("draft")
+        if self.store is None or not isinstance(draft, dict):
+            return
+        holding = {draft.get("path"), draft.get("previous_path"), self._staged_path}
+        if self.settings.committed_file is not None:
+            holding |= recorded_paths(Path(self.settings.committed_file))
+        try:
+            await asyncio.to_thread(self.store.prune, {p for p in holding if isinstance(p, str)})
+        except OSError as e:
+            log.warning("pruning the draft store %s failed: %s", self.store.root, e)
+
     async def info(self) -> dict:
         epoch = self._epoch
         reply = await self.rpc("codraft_info", timeout=self.settings.probe_timeout_s)
@@ -380,6 +420,7 @@ class EngineControl:
             reply = await body()
             self._note(reply)
             await self._record(reply)
+            await self._prune(reply)
             log.info("%s done in %.1f ms", what, 1000 * (time.perf_counter() - t0))
             return reply
         finally:
@@ -403,10 +444,15 @@ class EngineControl:
         it never supersedes the draft a swap in progress is waiting for): the reply is the
         ticket at once; reading, hashing, checking and staging run in the worker's thread."""
         t0 = time.perf_counter()
-        reply = await self.swap_locked(
-            lambda: self.rpc("codraft_prepare_draft", path=path, version=version, sha256=sha256),
-            "draft prepare",
-        )
+
+        async def body() -> dict:
+            kept = await self.keep(path)
+            self._staged_path = kept
+            return await self.rpc(
+                "codraft_prepare_draft", path=kept, version=version, sha256=sha256
+            )
+
+        reply = await self.swap_locked(body, "draft prepare")
         return {
             "ticket": reply["ticket"],
             "path": path,
@@ -427,7 +473,8 @@ class EngineControl:
         t0 = time.perf_counter()
 
         async def body() -> dict:
-            reply = await self.rpc("codraft_swap_draft", path=path, version=version, sha256=sha256)
+            kept = await self.keep(path)
+            reply = await self.rpc("codraft_swap_draft", path=kept, version=version, sha256=sha256)
             t1 = time.perf_counter()
             ahead, rpcs, ticket = bool(reply.get("prepared_ahead")), 1, reply.get("ticket")
             deadline = t1 + self.settings.rpc_timeout_s
@@ -459,12 +506,14 @@ class EngineControl:
 
 # ------------------------------------------------------------------------- routes
 def checked_path(control: EngineControl, path: str) -> str:
-    """`path` with symlinks resolved; 403 when a checkpoint root is set and it lies outside."""
+    """`path` with symlinks resolved; 403 when a checkpoint root is set and it lies outside
+    (and outside the server's own draft store, whose folders GET /v1/draft names)."""
     real = os.path.realpath(path)
     root = control.settings.checkpoint_root
     if root is not None:
         top = os.path.realpath(root)
-        if os.path.commonpath([top, real]) != top:
+        tops = [top] + ([os.path.realpath(control.store.root)] if control.store else [])
+        if all(os.path.commonpath([t, real]) != t for t in tops):
             raise ControlError(
                 403,
                 f"{path} is outside the checkpoint root {root} this server loads from; publish "

@@ -22,11 +22,32 @@ from codraft.atomic import atomic_write_json
 log = logging.getLogger("codraft.serve")
 
 
+def _target_key(model: Path) -> str:
+    return hashlib.sha256(str(Path(model).resolve()).encode()).hexdigest()[:12]
+
+
 def record_path(work_dir: str | Path, model: Path) -> Path:
     """The record of the server of target `model` (one per target: two servers of different
     targets may share a work dir)."""
-    key = hashlib.sha256(str(Path(model).resolve()).encode()).hexdigest()[:12]
-    return Path(work_dir) / f"committed-draft-{key}.json"
+    return Path(work_dir) / f"committed-draft-{_target_key(model)}.json"
+
+
+def store_path(work_dir: str | Path, model: Path) -> Path:
+    """The server's own copies of its drafts (codraft.server.draft_store), one per target."""
+    return Path(work_dir) / f"drafts-{_target_key(model)}"
+
+
+def recorded_paths(path: Path) -> set[str]:
+    """The checkpoint folders the record at `path` names (newest and earlier); none when it is
+    missing or unreadable."""
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return set()
+    if not isinstance(rec, dict):
+        return set()
+    entries = [rec, *(e for e in rec.get("earlier") or [] if isinstance(e, dict))]
+    return {e["path"] for e in entries if isinstance(e.get("path"), str)}
 
 
 EARLIER = 7  # earlier commits kept in the record, newest first

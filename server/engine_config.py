@@ -46,8 +46,11 @@ class EngineConfig:
     tap_device_ring: bool = False
     # --- automatic rollback of a new draft whose acceptance collapses
     auto_rollback: bool = True
-    # verifications (one request's drafts checked in one step) over whole requests
-    rollback_window: int = 64
+    # a new draft is judged once this many of its verifications (one request's drafts checked
+    # in one step), from at least rollback_min_requests requests, fall in strata the previous
+    # draft's acceptance covers (codraft.server.acceptance)
+    rollback_window: int = 256
+    rollback_min_requests: int = 8
     rollback_fraction: float = 0.5  # roll back below this fraction of the previous draft's rate
     # --- bookkeeping
     request_versions_max: int = 65536  # finished request ids remembered for /v1 responses
@@ -73,6 +76,7 @@ class EngineConfig:
             "tap_hwm",
             "tap_device_mb",
             "rollback_window",
+            "rollback_min_requests",
             "request_versions_max",
         )
         for name in positive:

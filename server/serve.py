@@ -44,7 +44,7 @@ from codraft.server.api import (
     document_security,
     install_control,
 )
-from codraft.server.committed import choose_draft, record_path
+from codraft.server.committed import choose_draft, record_path, store_path
 from codraft.server.guard import SeedGuard, seeded_requests_crash
 from codraft.server.serve_config import (
     ServeConfig,
@@ -231,6 +231,7 @@ async def serve(cfg: ServeConfig, args: argparse.Namespace, token: str | None) -
         settings = ControlSettings(
             checkpoint_root=cfg.checkpoint_root,
             committed_file=str(record_path(cfg.work_dir, Path(args.model))),
+            draft_store=str(store_path(cfg.work_dir, Path(args.model))),
         )
         control = EngineControl(engine, settings)
         await _check_engine_side(control, cfg)

@@ -168,6 +168,7 @@ class Transfers:
             return {"ok": True, "restored": False, "policy": e.policy.info()}
         if s.kind == "policy":
             e.policy = PolicySlot(version, TRANSFERRED, utc_now())
+            e.acceptance.restart(e.current.version)  # every draft is measured anew
             self.completed["policy"] += 1
             log.info("codraft: policy v%d arrived by weight transfer", version)
             return {"ok": True, "policy": e.policy.info(), "reset_prefix_cache": True}

@@ -68,8 +68,9 @@ RPC interface (all values plain JSON types):
   vLLM's internal suffix "-xxxxxxxx" and the "<i>_" prefix of n>1 children are matched.
 
 Acceptance is attributed to the draft version that proposed the tokens (the one serving when
-the previous step ran). Automatic rollback: see codraft.server.acceptance (whole requests); it
-runs at the start of the next engine step (or RPC) after the window shows the collapse.
+the previous step ran). Automatic rollback: see codraft.server.acceptance (the new draft's
+acceptance against the previous draft's at the same positions of their requests); it runs at
+the start of the next engine step (or RPC) after the verdict.
 """
 
 from __future__ import annotations
@@ -173,8 +174,8 @@ class CodraftEngine(StepListener, AutoRollback):
         taps = tuple(self.current.config.tap_layers)
         self.policy = PolicySlot(0, self.serving["path"], utc_now())
         self.transfers = Transfers()  # vLLM weight-transfer sessions, sleep (server.transfer)
-        self.acceptance = Acceptance(self.cfg.rollback_window)
-        self.reference_rate: float | None = None
+        self.acceptance = Acceptance(self.cfg.rollback_window, self.cfg.rollback_min_requests)
+        self.rollback_history: list[dict] = []
         self.proposer_version = self.current.version
         self.pending_rollback: str | None = None
         self.swaps = self.rollbacks = self.auto_rollbacks = 0
@@ -307,6 +308,8 @@ class CodraftEngine(StepListener, AutoRollback):
                 accepted += a
                 self.acceptance.observe(s.req_id, version, s.num_drafts, a)
         self.acceptance.record(version, drafts, draft_tokens, accepted)
+        if drafts:
+            self._check_rollback()
 
     def run_pending(self) -> None:
         # an automatic rollback waits for an open weight transfer (it would write the draft)
@@ -318,7 +321,6 @@ class CodraftEngine(StepListener, AutoRollback):
     # ------------------------------------------------------------------ tap plumbing
     def _finished(self, req_id: str) -> None:
         self.acceptance.close(req_id)
-        self._check_rollback()
         self.versions_by_request.note(request_aliases(req_id), self.current.version)
 
     # ------------------------------------------------------------------ RPC bodies
@@ -330,7 +332,9 @@ class CodraftEngine(StepListener, AutoRollback):
         draft = {
             **self.current.info(),
             "previous_version": self.previous.version if self.previous else None,
+            "previous_path": self.previous.path if self.previous else None,
             "highest_version": self.swapper.highest,
+            "rollbacks": list(self.rollback_history),
         }
         return {
             "ok": True,
@@ -356,18 +360,17 @@ class CodraftEngine(StepListener, AutoRollback):
             return reply
         old, new = self.previous, self.current
         assert old is not None
-        self.reference_rate = self.acceptance.request_rate(old.version)
-        self.acceptance.reset_window(new.version)
+        self.acceptance.begin(new.version, old.version)
         self.swaps += 1
         log.info("codraft: draft v%d -> v%d (%s)", old.version, new.version, reply["timing_ms"])
         return {**reply, "draft": self.info()["draft"]}
 
     def rollback(self, reason: Any = "manual", auto: bool = False) -> dict[str, Any]:
         rolled = self.swapper.rollback()
-        self.acceptance.reset_window(self.current.version)
-        self.reference_rate = None
+        self.acceptance.restart(self.current.version)
         self.rollbacks += 1
         self.auto_rollbacks += int(auto)
+        self._note_rollback(rolled.version, self.current.version, reason, auto, utc_now())
         log.warning(
             "codraft: draft v%d rolled back to v%d (%s)",
             rolled.version,
@@ -403,6 +406,7 @@ class CodraftEngine(StepListener, AutoRollback):
                 ) from None
             raise SwapError(500, f"policy reload failed ({e}); previous policy restored") from None
         self.policy = PolicySlot(version, path, utc_now())
+        self.acceptance.restart(self.current.version)  # every draft is measured anew
         log.info("codraft: policy v%d loaded from %s", version, path)
         return {"ok": True, "policy": self.policy.info(), "reset_prefix_cache": True}
 

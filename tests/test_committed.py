@@ -124,3 +124,54 @@ def test_a_restart_keeps_its_drafter_kind(drafts, tiny_llama_dir: Path, tmp_path
     assert "is a draft of kind eagle3, the server starts one of kind dflash" in caplog.text
     only_dflash = _record(tmp_path / "r2.json", dflash[4])
     assert choose_draft(only_dflash, drafts[0]) == drafts[0]
+
+
+# ------------------------------------------------------------------------- the draft store
+def test_the_store_keeps_a_draft_its_folder_loses(drafts, tmp_path: Path) -> None:
+    """The server's copy outlives the posted folder (a learner's retention deleting it), checks
+    out as the same draft, and a record naming it resumes it; a prune keeps what is held."""
+    from codraft.draft.checkpoint import check_draft
+    from codraft.server.committed import recorded_paths
+    from codraft.server.draft_store import DraftStore
+
+    posted = {v: shutil.copytree(p, tmp_path / "learner" / f"ckpt-{v}") for v, p in drafts.items()}
+    store = DraftStore(tmp_path / "work" / "drafts-x")
+    kept = {v: store.keep(str(p)) for v, p in posted.items()}
+    assert store.keep(str(posted[5])) == kept[5]  # the same draft: the same entry
+    assert store.keep(kept[5]) == kept[5]  # a folder of the store is its own copy
+    assert store.keep(str(tmp_path / "missing")) == str(tmp_path / "missing")  # the engine's 404
+    record = _record(record_path(tmp_path / "work", Path("m")), Path(kept[3]))
+    shutil.rmtree(tmp_path / "learner")
+    for v in (0, 3, 5):
+        cfg, meta = check_draft(kept[v])
+        assert meta.version == v and meta.weights_sha256 == read_meta(drafts[v]).weights_sha256
+    assert choose_draft(record, drafts[0]) == Path(kept[3]).resolve()
+    removed = store.prune(recorded_paths(record) | {kept[5]})
+    assert removed == [kept[0]] and sorted(map(str, store.entries())) == sorted([kept[3], kept[5]])
+
+
+def test_a_store_entry_is_whole_or_absent(drafts, tmp_path: Path, monkeypatch) -> None:
+    """Planted from here: the copy fails half-way. Nothing of it is left under the entry's
+    name, and the next keep makes it whole."""
+    from codraft.server import draft_store
+    from codraft.server.draft_store import DraftStore
+
+    store = DraftStore(tmp_path / "store")
+    real = draft_store._link_or_copy
+    calls = []
+
+    def fail_second(src: Path, dst: Path) -> None:
+        calls.append(src.name)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+
+    monkeypatch.setattr(draft_store, "_link_or_copy", fail_second)
+    with pytest.raises(OSError):
+        store.keep(str(drafts[3]))
+    assert list((tmp_path / "store").iterdir()) == []
+    monkeypatch.setattr(draft_store, "_link_or_copy", real)
+    kept = store.keep(str(drafts[3]))
+    assert sorted(p.name for p in Path(kept).iterdir()) == sorted(
+        p.name for p in drafts[3].iterdir()
+    )

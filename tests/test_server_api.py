@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -950,7 +951,9 @@ def test_a_server_killed_mid_swap_serves_the_newest_committed_draft_again(
     """SIGKILL (the server and its engine process) while a swap is in flight, then the same
     command again: the server comes back with the newest draft it committed, not with the v0
     its --draft names. The killed swap may or may not have committed; if its 200 came back, its
-    draft is the one served. Last of the tests on the module's server, which it replaces."""
+    draft is the one served. Then a rollback, the posted folders deleted (as a learner's
+    checkpoint retention would) and a second restart: the committed draft serves from the
+    server's own copy. Last of the tests on the module's server, which it replaces."""
     from live import kill_group
 
     reference, args = stack[1], stack[3]
@@ -985,8 +988,34 @@ def test_a_server_killed_mid_swap_serves_the_newest_committed_draft_again(
         assert r.headers["x-codraft-draft-version"] == str(now["version"])
         (newer,) = _write_drafts(tiny_llama_dir, work / "restart", range(v + 2, v + 3))
         assert _swap(again, version=v + 2, path=str(newer)).status_code == 200
+        # The server serves its own copy: a learner's checkpoint retention may delete the
+        # folders it posted, including the one a rollback goes back to and the committed one.
+        served = _draft_now(again)
+        assert served["version"] == v + 2 and served["path"] != str(newer), served
+        assert Path(served["previous_path"]).parent == Path(served["path"]).parent
+        r = httpx.post(f"{again.control_url}/v1/draft/rollback", headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        rolled = _draft_now(again)
+        assert (
+            rolled["version"] == now["version"] and rolled["rollbacks"][-1]["from_version"] == v + 2
+        )
+        shutil.rmtree(work / "restart")  # every folder posted to this server
+        store = Path(rolled["path"]).parent
+        assert Path(rolled["path"]).is_dir() and len(list(store.iterdir())) <= 10
     finally:
         again.stop()
+    third = ServeProcess.start(args, work / "serve-restarted-2.log")
+    try:
+        third.wait_ready()
+        third.model = tiny_llama_dir  # type: ignore[attr-defined]
+        resumed = _draft_now(third)
+        assert (resumed["version"], resumed["sha256"]) == (rolled["version"], rolled["sha256"])
+        r = _complete(third, PROMPTS[7])
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == reference[PROMPTS[7]]
+        assert r.headers["x-codraft-draft-version"] == str(rolled["version"])
+    finally:
+        third.stop()
 
 
 # ------------------------------------------------------------------------------ recorder

@@ -164,8 +164,8 @@ class SGLangEngine(AutoRollback):
         self.staged_slot: DraftSlot | None = None
         self.ticket = 0
         self.sleep_copy: SleepCopy | None = None  # the draft, while SGLang's weights are released
-        self.acceptance = Acceptance(self.cfg.rollback_window)
-        self.reference_rate: float | None = None
+        self.acceptance = Acceptance(self.cfg.rollback_window, self.cfg.rollback_min_requests)
+        self.rollback_history: list[dict] = []
         self.pending_rollback: str | None = None
         self.swaps = self.rollbacks = self.auto_rollbacks = 0
         self.hook_errors = 0
@@ -400,6 +400,7 @@ class SGLangEngine(AutoRollback):
         """SGLang's own route `source` changed the target's weights (an RL trainer's push):
         a new policy version, so tap messages and responses tell the weights apart."""
         self.policy = PolicySlot(self.policy.version + 1, f"sglang:{source}", utc_now())
+        self.acceptance.restart(self.current.version)  # every draft is measured anew
         log.info("codraft: policy v%d (target weights through SGLang's %s)",
                  self.policy.version, source)  # fmt: skip
 
@@ -428,7 +429,9 @@ class SGLangEngine(AutoRollback):
             "draft": {
                 **self.current.info(),
                 "previous_version": self.previous.version if self.previous else None,
+                "previous_path": self.previous.path if self.previous else None,
                 "highest_version": self.highest,
+                "rollbacks": list(self.rollback_history),
                 # SGLang samples with the token map it loaded first (draft_weights.py): a new
                 # draft must keep the serving draft's d2t, which a learner reads from this.
                 "vocab_map_fixed": True,
@@ -494,8 +497,7 @@ class SGLangEngine(AutoRollback):
         self.previous, self.previous_params = old, self.weights.take_saved()
         self.current = replace(slot, weights={})
         self.highest = slot.version
-        self.reference_rate = self.acceptance.request_rate(old.version)
-        self.acceptance.reset_window(slot.version)
+        self.acceptance.begin(slot.version, old.version)
         self.swaps += 1
         log.info("codraft: draft v%d -> v%d", old.version, slot.version)
         return {"ok": True, "ready": True, "prepared_ahead": ahead, "draft": self.info()["draft"],
@@ -527,6 +529,7 @@ class SGLangEngine(AutoRollback):
         if radix:
             self.scheduler.flush_cache()
         self.policy = PolicySlot(version, path, utc_now())
+        self.acceptance.restart(self.current.version)  # every draft is measured anew
         log.info("codraft: policy v%d loaded from %s", version, path)
         return {"ok": True, "policy": self.policy.info(), "reset_prefix_cache": False}
 
@@ -536,10 +539,10 @@ class SGLangEngine(AutoRollback):
         self.weights.restore(self.previous_params)
         rolled, self.current = self.current, self.previous
         self.previous = self.previous_params = None
-        self.acceptance.reset_window(self.current.version)
-        self.reference_rate = None
+        self.acceptance.restart(self.current.version)
         self.rollbacks += 1
         self.auto_rollbacks += int(auto)
+        self._note_rollback(rolled.version, self.current.version, reason, auto, utc_now())
         log.warning("codraft: draft v%d rolled back to v%d (%s)",
                     rolled.version, self.current.version, reason)  # fmt: skip
         return {"ok": True, "draft": self.info()["draft"], "rolled_back_from": rolled.version}

@@ -112,7 +112,7 @@ def main(cfg: ServeConfig) -> int:
     """Run SGLang's server with codraft until it stops."""
     import importlib.util
 
-    from codraft.server.committed import choose_draft, record_path
+    from codraft.server.committed import choose_draft, record_path, store_path
     from codraft.server.engine_config import ADDITIONAL_CONFIG_KEY, EngineConfig
     from codraft.server.serve_config import engine_settings, resolve_draft, resolve_model
     from codraft.server.sglang.engine import ENV, Settings
@@ -167,7 +167,10 @@ def main(cfg: ServeConfig) -> int:
         except OSError as e:
             print(f"codraft serve: control port {cfg.control_port}: {e}", file=sys.stderr)
             return 2
-    run(cfg, server_args, token, endpoint, record_path(cfg.work_dir, model), csock)
+    run(
+        cfg, server_args, token, endpoint, record_path(cfg.work_dir, model), csock,
+        store_path(cfg.work_dir, model),
+    )  # fmt: skip
     return 0
 
 
@@ -258,12 +261,17 @@ def run(
     endpoint: str,
     record: Path,
     control_sock: socket.socket | None = None,
+    store: Path | None = None,
 ) -> None:
     from sglang.srt.entrypoints import http_server
 
     from codraft.server.api import ControlSettings
 
-    settings = ControlSettings(checkpoint_root=cfg.checkpoint_root, committed_file=str(record))
+    settings = ControlSettings(
+        checkpoint_root=cfg.checkpoint_root,
+        committed_file=str(record),
+        draft_store=str(store) if store is not None else None,
+    )
     control = install_codraft(http_server.app, endpoint, token, settings, control_sock)
     where = (
         f"control on http://{cfg.effective_control_host}:{control_sock.getsockname()[1]}"
