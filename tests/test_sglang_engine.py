@@ -571,7 +571,8 @@ def test_serve_refuses_sglangs_multi_process_front_ends_and_binds_the_control_po
     front.enable_http2 = False
     port = free_port()
     assert serve.main(cfg(control_port=port)) == 0
-    csock = started[-1][-1]
+    csock = started[-1][5]  # run(cfg, server_args, token, endpoint, record, csock, store)
+    assert started[-1][6].name.startswith("drafts-")
     assert csock.getsockname()[1] == port
     assert serve.main(cfg(control_port=port)) == 2  # taken
     csock.close()
