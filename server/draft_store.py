@@ -41,11 +41,11 @@ class DraftStore:
         it is no draft folder with a codraft.json (the engine then says what is wrong), or when
         it already lies in the store."""
         src = Path(path)
-        if src.parent.resolve() == self.root.resolve():
-            return path
         try:
+            if src.parent.resolve() == self.root.resolve():
+                return path
             meta = read_meta(src)
-        except DraftCheckpointError:
+        except (DraftCheckpointError, OSError):  # missing, unreadable, a name too long
             return path
         name = f"v{meta.version}-{(meta.weights_sha256 or 'nosha')[:16]}"
         out = self.root / name
