@@ -90,7 +90,6 @@ class Strata:
     rates: list[float | None] | None = None  # the reference's rate per stratum (None: too few)
     reference_version: int | None = None
     cells: list[Counts] = field(default_factory=lambda: [Counts() for _ in range(STRATA)])
-    requests: int = 0  # distinct requests with a verification here
     compared: int = 0  # verifications in strata the reference covers
     compared_requests: int = 0
     observed: int = 0  # sum of O
@@ -186,7 +185,6 @@ class Acceptance:
             if t[1] is not None:
                 t[1].done(req_id)
             t[1] = strata
-            strata.requests += 1
         s = stratum(t[0])
         strata.cells[s].add(1, draft_tokens, accepted)
         if strata.rates is not None and (rate := strata.rates[s]) is not None:
@@ -214,9 +212,6 @@ class Acceptance:
         """A rollback to `version`, or a new policy under it: its strata start over and there
         is no reference (nothing to roll back to, or nothing measured under this policy)."""
         self._strata = {version: Strata(version)}
-
-    def strata(self, version: int) -> Strata | None:
-        return self._strata.get(version)
 
     def verdict(self, version: int) -> Verdict | None:
         """`version` against its reference, once it has `window` compared verifications from
@@ -268,7 +263,7 @@ class AutoRollback:
             self.pending_rollback = verdict.reason(self.cfg.rollback_fraction)
 
     def _note_rollback(self, rolled: int, to: int, reason: str, auto: bool, at: str) -> None:
-        history = self.__dict__.setdefault("rollback_history", [])
+        history = self.rollback_history
         history.append(
             {"from_version": rolled, "to_version": to, "reason": str(reason)[:500],
              "auto": auto, "at": at}
