@@ -4,6 +4,14 @@ Files are written to a temporary name in the same directory (same filesystem), f
 fsync'ed, then renamed into place; the parent directory is fsync'ed so the rename survives a
 crash. A process that dies mid-write leaves at most a hidden `.<name>.tmp-*` entry next to the
 target, which `remove_stale_temps` clears.
+
+A directory overwrite takes three steps: the old directory is renamed aside
+(`.<name>.trash-*`), the new one renamed in, the aside copy removed. A crash between the first
+two leaves the target missing and the old copy aside: the aside copy is then the only whole one,
+and the sweep (`remove_stale_temps`, or the next `atomic_write_dir` of that target) renames it
+back instead of removing it. An aside copy is removed only while its target exists. So after
+a crash at any point and the sweep, the target holds the old directory or the new one, never
+neither.
 """
 
 from __future__ import annotations
@@ -39,6 +47,34 @@ def _hidden_sibling(final: Path, tag: str) -> Path:
     return final.parent / f".{final.name}{tag}{uuid.uuid4().hex[:12]}"
 
 
+def _target_of(entry: Path, tag: str) -> Path | None:
+    """The target `_hidden_sibling(target, tag)` named `entry` was made for, or None."""
+    name = entry.name
+    head, found, suffix = name.rpartition(tag)
+    if not found or not head.startswith(".") or len(head) < 2 or len(suffix) != 12:
+        return None
+    return entry.parent / head[1:]
+
+
+def restore_aside(final: str | os.PathLike) -> Path | None:
+    """If `final` is missing and an overwrite left its old copy aside (a crash between the two
+    renames), rename that copy back; return it, or None when nothing was restored."""
+    final = Path(final)
+    if final.exists() or final.is_symlink() or not final.parent.is_dir():
+        return None
+    asides = [
+        e
+        for e in final.parent.iterdir()
+        if e.name.startswith(f".{final.name}{TRASH_TAG}") and _target_of(e, TRASH_TAG) == final
+    ]
+    if not asides:
+        return None
+    aside = max(asides, key=lambda e: e.stat().st_mtime_ns)  # one writer: at most one
+    os.rename(aside, final)
+    fsync_dir(final.parent)
+    return aside
+
+
 def fsync_tree(root: Path) -> None:
     """fsync every file and directory under root (and root itself)."""
     for dirpath, _dirs, files in os.walk(root):
@@ -55,9 +91,11 @@ def atomic_write_dir(final_dir: str | os.PathLike, *, overwrite: bool = False) -
     If the block raises, the temp dir is removed and `final_dir` is untouched. An existing
     `final_dir` is refused (FileExistsError) unless overwrite=True; then the old directory is
     renamed aside and removed after the new one is in place (between the two renames the path
-    briefly does not exist, but it never holds a mix of old and new files).
+    briefly does not exist, but it never holds a mix of old and new files; a crash there leaves
+    the old copy aside, which `restore_aside` puts back: see the module doc).
     """
     final = Path(final_dir)
+    restore_aside(final)  # a crash of an earlier overwrite of this target
     if final.exists() and not overwrite:
         raise FileExistsError(
             f"{final} already exists; refusing to overwrite it (pass overwrite=True, or pick a "
@@ -75,6 +113,7 @@ def atomic_write_dir(final_dir: str | os.PathLike, *, overwrite: bool = False) -
                 raise FileExistsError(f"{final} appeared while it was being written; not replaced")
             trash = _hidden_sibling(final, TRASH_TAG)
             os.rename(final, trash)
+            fsync_dir(final.parent)
         os.rename(tmp, final)
         fsync_dir(final.parent)
     except BaseException:
@@ -113,12 +152,18 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
 def remove_stale_temps(parent: str | os.PathLike) -> list[Path]:
     """Remove leftovers of interrupted atomic writes in `parent`; return what was removed.
 
-    Only call this when no writer is active in `parent`.
+    An overwrite's old copy whose target is missing is no leftover but the only whole copy: it
+    is renamed back into place (`restore_aside`), not removed. Only call this when no writer is
+    active in `parent`.
     """
-    removed = []
+    removed: list[Path] = []
     root = Path(parent)
     if not root.is_dir():
         return removed
+    for entry in list(root.iterdir()):
+        target = _target_of(entry, TRASH_TAG)
+        if target is not None and not target.exists() and not target.is_symlink():
+            restore_aside(target)
     for entry in root.iterdir():
         if entry.name.startswith(".") and (TMP_TAG in entry.name or TRASH_TAG in entry.name):
             if entry.is_dir() and not entry.is_symlink():

@@ -7,6 +7,7 @@ skipped where this process may not mount)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import subprocess
@@ -162,3 +163,122 @@ def test_a_full_disk_leaves_no_torn_checkpoint_and_training_goes_on(
     again = OnlineLearner._checkpoint(daemon)  # type: ignore[arg-type]
     assert again is not None and trainer.draft_version == 2
     assert newest_good(disk / "out") == again and daemon._saved_step == 6
+
+
+# ------------------------------------------------------------------------------ kill -9
+# A child writes a checkpoint over an existing one and SIGKILLs itself just before its i-th
+# rename, replace or tree removal (the steps of an overwrite, counted from the test side by
+# wrapping os.rename, os.replace and shutil.rmtree); with i past the last step it finishes.
+# The next start's sweep must then find the old checkpoint or the new one, whole.
+_CRASH_CHILD = r"""
+import json, os, shutil, signal, sys
+from pathlib import Path
+
+import torch
+
+from codraft.draft.checkpoint import DraftMeta, save_draft
+from codraft.draft.config import DraftConfig
+from codraft.draft.model import Eagle3Draft
+from codraft.learner.checkpoints import CheckpointDir
+
+kind, root, seed, crash_at = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+cfg = DraftConfig(
+    hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=8, vocab_size=100, draft_vocab_size=100, rms_norm_eps=1e-5, rope_theta=10000.0,
+    max_position_embeddings=256, target_hidden_size=32, tap_layers=(1, 3, 5), dtype="float32",
+)
+torch.manual_seed(seed)
+draft = Eagle3Draft(cfg)
+ckpts = CheckpointDir(root) if kind == "learner" else None  # the start's sweep comes first
+calls = {"n": 0}
+
+def counted(fn):
+    def wrapper(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == crash_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return fn(*args, **kwargs)
+    return wrapper
+
+if crash_at >= 0:
+    os.rename = counted(os.rename)
+    os.replace = counted(os.replace)
+    shutil.rmtree = counted(shutil.rmtree)
+meta = DraftMeta(version=seed)
+if kind == "learner":
+    ckpts.save(5, draft, meta, {"seed": seed}, {"seed": seed})
+else:
+    save_draft(root / "draft", draft, meta, overwrite=True)
+print(json.dumps({"steps": calls["n"]}))
+"""
+
+
+def _crash_write(kind: str, root: Path, seed: int, crash_at: int) -> subprocess.CompletedProcess:
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-c", _CRASH_CHILD, kind, str(root), str(seed), str(crash_at)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def _surviving_version(kind: str, root: Path) -> int | None:
+    """What the next start finds after its sweep: the version of the whole checkpoint, or None
+    when there is none."""
+    from codraft.atomic import remove_stale_temps
+    from codraft.draft.checkpoint import DraftCheckpointError, check_draft
+    from codraft.learner.checkpoints import CheckpointDir
+
+    if kind == "learner":
+        found = CheckpointDir(root).latest()  # its constructor sweeps
+        if found is None:
+            return None
+        assert found.name == "ckpt-00000005", found
+        return check_draft(found / "draft")[1].version
+    remove_stale_temps(root)
+    try:
+        return check_draft(root / "draft")[1].version
+    except DraftCheckpointError:
+        return None
+
+
+def _crash_everywhere(kind: str, tmp_path: Path) -> dict[int, int | None]:
+    """Crash point -> the version found after the sweep (1 old, 2 new)."""
+    base = tmp_path / "base"
+    done = _crash_write(kind, base, 1, -1)  # the old checkpoint, written whole
+    assert done.returncode == 0, done.stderr
+    shutil.copytree(base, tmp_path / "count")
+    counted = _crash_write(kind, tmp_path / "count", 2, 0)  # counts the steps of an overwrite
+    assert counted.returncode == 0, counted.stderr
+    steps = json.loads(counted.stdout)["steps"]
+    assert steps >= 3, f"an overwrite takes 3 renames or removals at least, counted {steps}"
+    found: dict[int, int | None] = {}
+    for i in range(1, steps + 2):
+        root = tmp_path / f"crash{i}"
+        shutil.copytree(base, root)
+        run = _crash_write(kind, root, 2, i)
+        killed = run.returncode == -9
+        assert killed == (i <= steps), (i, run.returncode, run.stderr[-2000:])
+        found[i] = _surviving_version(kind, root)
+    return found
+
+
+@pytest.mark.parametrize("kind", ["learner", "draft"])
+def test_a_kill_at_any_step_of_an_overwrite_leaves_old_or_new(kind: str, tmp_path: Path) -> None:
+    found = _crash_everywhere(kind, tmp_path)
+    assert all(v in (1, 2) for v in found.values()), f"crash point -> version found: {found}"
+    assert found[max(found)] == 2  # the write that finished
+    assert 1 in found.values()  # and some crash points do leave the old one
+
+
+def test_a_sweep_that_removes_the_aside_copy_loses_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted bug: the sweep removes an overwrite's aside copy even when its target is
+    missing (what it did before). A crash between the two renames then leaves neither
+    checkpoint: the test above would see it."""
+    import codraft.atomic as atomic
+
+    monkeypatch.setattr(atomic, "restore_aside", lambda final: None)
+    found = _crash_everywhere("draft", tmp_path)
+    assert None in found.values(), found
