@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from codraft.control_token import resolve_control_token
 from codraft.drafters import DRAFTERS
 from codraft.learner.offline import OfflineConfig
+from codraft.learner.online.buffer import BufferPolicy
 from codraft.learner.parallel.launch import ParallelConfig
 from codraft.learner.pipeline_trainer import PipelineTrainConfig
 from codraft.learner.trainer import TrainConfig
@@ -31,6 +33,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--from-dir", help="folder of recorded *.taps files (offline)")
     src.add_argument("--server", help="control API URL of a codraft server (online)")
     p.add_argument("--tap", default="tcp://127.0.0.1:5557", help="PULL endpoint to bind (online)")
+    p.add_argument(
+        "--tap-key",
+        default=None,
+        metavar="FILE_OR_DIR",
+        help="online: this learner's secret tap certificate (NAME.key_secret from `codraft "
+        "tap-keys`, or a folder holding one); with --tap-allowed-keys it turns CURVE on, "
+        "which a --tap address off loopback requires",
+    )
+    p.add_argument(
+        "--tap-allowed-keys",
+        default=None,
+        metavar="DIR",
+        help="online: folder of the public certificates (NAME.key) of the servers whose taps "
+        "are accepted; any other peer delivers nothing",
+    )
+    p.add_argument(
+        "--buffer-max-bytes",
+        type=int,
+        default=BufferPolicy.max_bytes,
+        help="online: bytes the sample buffer may hold (taps, final hidden states, ids, masks; "
+        f"held-out samples included), default {BufferPolicy.max_bytes} (2 GiB)",
+    )
+    p.add_argument(
+        "--holdout-key-file",
+        default=None,
+        metavar="FILE",
+        help="online: the key (the file's bytes) of the held-out split's HMAC, for a split "
+        "that repeats across restarts (default: a random key per learner)",
+    )
     p.add_argument("--target", required=True, help="target model folder, or 'smollm2'")
     p.add_argument("--out", required=True, help="checkpoint folder (resumed when present)")
     p.add_argument(
@@ -110,6 +141,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="online, no checkpoint in --out: a new draft even when the server serves a "
         "trained one (default: start from its weights)",
+    )
+    p.add_argument(
+        "--http-host",
+        default="127.0.0.1",
+        help="online: the address /health and /metrics listen on (default 127.0.0.1; a pod "
+        "probed by its kubelet needs 0.0.0.0 or its own address)",
     )
     p.add_argument("--http-port", type=int, default=9100, help="online /health, /metrics (0: off)")
     p.add_argument("--recompute", action="store_true", help="run the target here for features")
@@ -221,12 +258,29 @@ def online_config_from_args(args: argparse.Namespace) -> OnlineConfig:
     (`codraft.control_token`: --token, else --token-file, else $CODRAFT_CONTROL_TOKEN)."""
     from codraft.learner.online.daemon import OnlineConfig
 
+    key = None
+    if args.holdout_key_file:
+        try:
+            key = Path(args.holdout_key_file).read_bytes()
+        except OSError as e:
+            raise ValueError(f"--holdout-key-file {args.holdout_key_file}: {e}") from None
+        if len(key) < 16:
+            raise ValueError(
+                f"--holdout-key-file {args.holdout_key_file} holds {len(key)} bytes: a key needs "
+                "16 or more (e.g. head -c 32 /dev/urandom > FILE)"
+            )
+    if args.buffer_max_bytes < 1:
+        raise ValueError(f"--buffer-max-bytes must be >= 1, got {args.buffer_max_bytes}")
     return OnlineConfig(
         server=args.server,
         token=resolve_control_token(args.token, args.token_file),
         tap=args.tap,
+        tap_key=args.tap_key,
+        tap_allowed_keys=args.tap_allowed_keys,
+        buffer=BufferPolicy(max_bytes=args.buffer_max_bytes, holdout_key=key),
         target=args.target,
         out=args.out,
+        http_host=args.http_host,
         http_port=args.http_port,
         min_buffer_tokens=args.min_buffer_tokens,
         publish_every_steps=args.publish_every,

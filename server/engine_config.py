@@ -11,10 +11,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from codraft.tap.auth import TapKeys
+
 ADDITIONAL_CONFIG_KEY = "codraft"
 TAP_MODES = ("full", "ids", "off")
 TAP_DTYPES = ("float32", "bfloat16", "float16")
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+TAP_ROLE = "the server's tap connects to"
 
 
 @dataclass
@@ -28,6 +31,11 @@ class EngineConfig:
     tap_sample_rate: float = 1.0  # fraction of requests captured, decided per request id
     tap_dtype: str | None = None  # feature dtype on the wire; None: the model's dtype
     tap_max_tokens: int = 8192  # tokens per message; longer requests go out in chunks
+    # --- tap: CURVE (codraft.tap.auth), required when the endpoint leaves the host. Paths only:
+    # the keys are read by the process that opens the socket. This server's secret certificate
+    # (NAME.key_secret) and the learner's public certificate (NAME.key)
+    tap_key: str | None = None
+    tap_learner_key: str | None = None
     # --- tap: publisher back-pressure (never blocks an engine step)
     tap_queue_size: int = 256  # messages waiting for the publisher thread
     tap_hwm: int = 64  # ZeroMQ send high-water mark (messages)
@@ -66,8 +74,13 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_sample_rate(self.tap_sample_rate)
+        for name in ("tap_key", "tap_learner_key"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a path or null, got {value!r}")
         if self.tap_endpoint is not None:
             check_endpoint(self.tap_endpoint)
+            self.tap_keys().required(self.tap_endpoint, TAP_ROLE)
         if self.tap_dtype is not None and self.tap_dtype not in TAP_DTYPES:
             raise ValueError(f"tap_dtype must be one of {TAP_DTYPES} or null, got {self.tap_dtype}")
         positive = (
@@ -87,6 +100,13 @@ class EngineConfig:
             raise ValueError(f"tap_linger_ms must be an integer >= 0, got {self.tap_linger_ms!r}")
         if not 0.0 < float(self.rollback_fraction) <= 1.0:
             raise ValueError(f"rollback_fraction must be in (0, 1], got {self.rollback_fraction}")
+
+    def tap_keys(self) -> TapKeys:
+        """The tap's key paths, named by `codraft serve`'s flags in errors."""
+        return TapKeys(
+            self.tap_key, self.tap_learner_key, own_flag="--tap-key",
+            peers_flag="--tap-learner-key",
+        )  # fmt: skip
 
     @property
     def tap_on(self) -> bool:

@@ -12,6 +12,11 @@ For its first CONNECT_GRACE_S after connecting, a message that finds no peer rea
 (in the publisher's thread, never the engine's) until one is, within that grace: a learner that
 is listening is not missed while the connection is still being made.
 
+With keys (`codraft.tap.auth.TapKeys`: this server's secret certificate and the learner's public
+one) the socket is a CURVE client: encrypted, and talking only to the learner holding that key.
+Keys are required when an endpoint leaves the host (an error naming the flag otherwise, before
+anything connects) and read in the publisher's thread, in the process that opens the socket.
+
 `close()` stops the thread, gives the socket at most `linger_ms` to flush, and counts whatever
 was still queued as dropped. Which requests are captured at all (`sampled`) is decided on the
 engine side, deterministically per request id.
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from codraft.tap.auth import TapKeys, curve_client
 from codraft.tap.message import MAGIC, TapMessage, encode
 
 log = logging.getLogger(__name__)
@@ -101,8 +107,13 @@ class TapPublisher:
         hwm: int = 64,
         linger_ms: int = 1000,
         context: zmq.Context | None = None,
+        keys: TapKeys | None = None,
     ) -> None:
+        """ValueError when `endpoint` cannot be connected to, or needs keys it was not given
+        (or they cannot be read)."""
         self.endpoint = endpoint
+        self.keys = keys or TapKeys(own_flag="--tap-key", peers_flag="--tap-learner-key")
+        self.curve = self.keys.required(endpoint, "the server's tap connects to")
         self.linger_ms = linger_ms
         self._hwm = hwm
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -189,6 +200,8 @@ class TapPublisher:
             # messages over the connected peers round-robin. IMMEDIATE keeps messages off peers
             # whose connection is not up yet.
             sock.setsockopt(zmq.IMMEDIATE, 1)
+            if self.curve:
+                curve_client(sock, self.keys)
             for endpoint in split_endpoints(self.endpoint):
                 sock.connect(endpoint)
             self._grace_until = time.monotonic() + CONNECT_GRACE_S

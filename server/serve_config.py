@@ -41,12 +41,22 @@ class ServeConfig:
     tap_endpoint: str | None = None  # ZeroMQ endpoint the learner PULLs on; None: tap off
     tap_mode: str = "full"  # full | ids | off
     tap_sample_rate: float = 1.0
+    # CURVE on the tap, required when tap_endpoint leaves the host (codraft.tap.auth): this
+    # server's secret certificate (NAME.key_secret) and the learner's public one (NAME.key)
+    tap_key: str | None = None
+    tap_learner_key: str | None = None
     control_token: str | None = None
     control_token_file: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     control_host: str | None = None  # default: same as host
     control_port: int | None = None  # None: control routes on the OpenAI port
+    # Host names the control routes answer besides the bound address and loopback (without a
+    # token; with one any Host is accepted): codraft.server.cross_site
+    control_allowed_hosts: list[str] = field(default_factory=list)
+    max_connections: int = 1024  # OpenAI port: past this many open connections, 503
+    control_max_connections: int = 128  # control port, counted apart from the OpenAI port
+    header_timeout_s: float = 10.0  # a request's headers must arrive within this (both ports)
     dtype: str = "auto"
     max_model_len: int | None = 4096
     work_dir: str = "runs/serve"  # a draft built here, the committed-draft record
@@ -82,6 +92,17 @@ class ServeConfig:
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be in 0..65535, got {port}")
+        if self.tap_endpoint is not None:
+            from codraft.server.engine_config import TAP_ROLE
+            from codraft.tap.auth import TapKeys
+
+            keys = TapKeys(self.tap_key, self.tap_learner_key, "--tap-key", "--tap-learner-key")
+            keys.required(self.tap_endpoint, TAP_ROLE)
+        for name in ("max_connections", "control_max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.header_timeout_s > 0:
+            raise ValueError(f"header_timeout_s must be > 0, got {self.header_timeout_s}")
         if self.control_port is not None and self.control_port == self.port != 0:
             raise ValueError(f"control_port {self.control_port} equals port: pick another")
 
@@ -137,6 +158,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tap-endpoint", default=None, help="ZeroMQ endpoint, e.g. tcp://host:5557")
     p.add_argument("--tap-mode", default=d.tap_mode, choices=TAP_MODES)
     p.add_argument("--tap-sample-rate", type=float, default=d.tap_sample_rate)
+    p.add_argument(
+        "--tap-key",
+        default=None,
+        metavar="FILE",
+        help="this server's secret tap certificate (NAME.key_secret from `codraft tap-keys`); "
+        "with --tap-learner-key the tap runs over CURVE, which a --tap-endpoint off loopback "
+        "requires",
+    )
+    p.add_argument(
+        "--tap-learner-key",
+        default=None,
+        metavar="FILE",
+        help="the learner's public tap certificate (NAME.key): the only peer the tap sends to",
+    )
     tok = p.add_mutually_exclusive_group()
     tok.add_argument(
         "--control-token",
@@ -148,6 +183,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--control-host", default=None, help="control API address (default: --host)")
     p.add_argument("--control-port", type=int, default=None, help="serve control on its own port")
+    p.add_argument(
+        "--control-allowed-hosts",
+        nargs="+",
+        default=[],
+        metavar="HOST",
+        help="Host names the control routes answer without a control token, besides the bound "
+        "address, localhost, 127.0.0.1 and ::1 ('*': any); requests naming another host (a "
+        "browser page rebinding its name) get 403",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        help="open connections the OpenAI port serves at once; past that, requests get 503",
+    )
+    p.add_argument(
+        "--control-max-connections",
+        type=int,
+        default=d.control_max_connections,
+        help="the same for the control port, counted apart (a full OpenAI port leaves the "
+        "probes and the control routes answering)",
+    )
+    p.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=d.header_timeout_s,
+        help="seconds a connection may take to send a request's headers (after it opens, or "
+        "after its previous response) before it is closed, on both ports",
+    )
     p.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument(
@@ -279,11 +343,17 @@ def engine_settings(cfg: ServeConfig, extra: dict[str, Any] | None = None) -> di
     if not isinstance(given, dict):
         raise ValueError(f"--additional-config's {ADDITIONAL_CONFIG_KEY!r} entry must be a dict")
     ours = EngineConfig(
-        tap_endpoint=cfg.tap_endpoint, tap_mode=cfg.tap_mode, tap_sample_rate=cfg.tap_sample_rate
-    ).to_additional_config()[ADDITIONAL_CONFIG_KEY]
+        tap_endpoint=cfg.tap_endpoint, tap_mode=cfg.tap_mode, tap_sample_rate=cfg.tap_sample_rate,
+        tap_key=_absolute(cfg.tap_key), tap_learner_key=_absolute(cfg.tap_learner_key),
+    ).to_additional_config()[ADDITIONAL_CONFIG_KEY]  # fmt: skip
     merged = EngineConfig.from_dict({**ours, **given})  # validates, names unknown keys
     extra[ADDITIONAL_CONFIG_KEY] = dataclasses.asdict(merged)
     return extra
+
+
+def _absolute(path: str | None) -> str | None:
+    """A key path as the engine's processes read it (they may run in another folder)."""
+    return None if path is None else str(Path(path).absolute())
 
 
 def _pop_flag(argv: list[str], flag: str) -> tuple[list[str], str | None]:

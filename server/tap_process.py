@@ -67,6 +67,7 @@ from codraft.server.capture import (
 from codraft.server.device_ring import DeviceRing, RingReader
 from codraft.server.publisher import PublisherStats, TapPublisher, check_connectable
 from codraft.server.row_copy import StagedRows
+from codraft.tap.auth import TapKeys
 from codraft.tap.message import DTYPES
 
 log = logging.getLogger(__name__)
@@ -428,14 +429,26 @@ class RemotePublisher:
     seconds): the endpoint is checked here, and the process opens it in turn."""
 
     def __init__(
-        self, tap: TapProcess, endpoint: str, *, queue_size: int, hwm: int, linger_ms: int
+        self,
+        tap: TapProcess,
+        endpoint: str,
+        *,
+        queue_size: int,
+        hwm: int,
+        linger_ms: int,
+        keys: TapKeys | None = None,
     ) -> None:
+        """`keys`: the tap's key paths; the tap process reads the keys (only the paths go down
+        the pipe)."""
         check_connectable(endpoint)
+        keys = keys or TapKeys(own_flag="--tap-key", peers_flag="--tap-learner-key")
+        keys.required(endpoint, "the server's tap connects to")
         self.tap, self.endpoint = tap, endpoint
         self.gen = tap.next_publisher()
         self.closed: PublisherStats | None = None
         tap.send({"op": "open", "endpoint": endpoint, "queue_size": queue_size, "hwm": hwm,
-                  "linger_ms": linger_ms, "gen": self.gen})  # fmt: skip
+                  "linger_ms": linger_ms, "gen": self.gen, "key": keys.own,
+                  "learner_key": keys.peers})  # fmt: skip
 
     def stats(self) -> dict[str, int]:
         return {**vars(self.totals()), "queue_depth": self.tap.publisher_depth}
@@ -587,9 +600,11 @@ class _Child:
                 self.publisher = None
             self.gen = int(h["gen"])
             try:
+                keys = TapKeys(h.get("key"), h.get("learner_key"), own_flag="--tap-key",
+                               peers_flag="--tap-learner-key")  # fmt: skip
                 self.publisher = TapPublisher(
                     h["endpoint"], queue_size=h["queue_size"], hwm=h["hwm"],
-                    linger_ms=h["linger_ms"],
+                    linger_ms=h["linger_ms"], keys=keys,
                 )  # fmt: skip
             except ValueError as e:  # checked by the engine's process first: not expected
                 log.error("the tap stays silent: %s", e)

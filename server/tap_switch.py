@@ -14,7 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from codraft.server.engine_config import EngineConfig, check_endpoint, check_sample_rate
+from codraft.server.engine_config import (
+    TAP_ROLE,
+    EngineConfig,
+    check_endpoint,
+    check_sample_rate,
+)
 from codraft.server.publisher import PublisherStats, TapPublisher, sampled
 from codraft.server.weights import SwapError
 
@@ -33,7 +38,8 @@ class TapSwitch:
     ) -> None:
         """`flush()`: wait until what was captured so far reached the publisher (before it
         closes); `drop()`: forget what is being captured (the tap went off); `make(endpoint,
-        queue_size=, hwm=, linger_ms=)`: a publisher; `sender`: whether this process publishes
+        queue_size=, hwm=, linger_ms=, keys=)`: a publisher (keys: the engine's tap keys,
+        `EngineConfig.tap_keys()`); `sender`: whether this process publishes
         at all (one rank of a tensor-parallel group does)."""
         self.cfg = cfg
         self.enabled = cfg.tap_on
@@ -72,6 +78,7 @@ class TapSwitch:
                     queue_size=self.cfg.tap_queue_size,
                     hwm=self.cfg.tap_hwm,
                     linger_ms=self.cfg.tap_linger_ms,
+                    keys=self.cfg.tap_keys(),
                 )
             except ValueError as e:
                 self.enabled = False
@@ -90,6 +97,8 @@ class TapSwitch:
         try:
             rate = check_sample_rate(sample_rate) if sample_rate is not None else self.sample_rate
             new_endpoint = check_endpoint(endpoint) if endpoint is not None else self.endpoint
+            if new_endpoint is not None:  # off the host only with the keys it started with
+                self.cfg.tap_keys().required(new_endpoint, TAP_ROLE)
         except ValueError as e:
             raise SwapError(422, str(e)) from None
         on = self.enabled if enabled is None else enabled

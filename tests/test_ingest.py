@@ -133,11 +133,33 @@ def test_buffer_policy_size_age_policy_window() -> None:
     assert len(drawn) == 1
 
 
-def test_holdout_split_is_deterministic() -> None:
+def test_holdout_split_is_deterministic_under_a_key_and_secret_without_it() -> None:
     ids = [f"req-{i}" for i in range(2000)]
-    held = [i for i in ids if is_holdout(i, 0.1)]
+    held = [i for i in ids if is_holdout(i, 0.1, b"k" * 32)]
     assert 120 < len(held) < 280
-    assert held == [i for i in ids if is_holdout(i, 0.1)]
+    assert held == [i for i in ids if is_holdout(i, 0.1, b"k" * 32)]
+    other = [i for i in ids if is_holdout(i, 0.1, b"j" * 32)]
+    assert len(set(held) & set(other)) < len(held) // 2  # another key, another split
+    # two buffers (two learners) draw their own keys: a sender cannot pick the held-out side
+    a, b = SampleBuffer(BufferPolicy()), SampleBuffer(BufferPolicy())
+    assert [i for i in ids if a.is_holdout(i)] != [i for i in ids if b.is_holdout(i)]
+    fixed = SampleBuffer(BufferPolicy(holdout_key=b"k" * 32))
+    assert [i for i in ids if fixed.is_holdout(i)] == held
+
+
+def test_the_buffer_is_bounded_in_bytes() -> None:
+    one = Sample.from_tap(_msg(0))
+    size = sum(t.numel() * t.element_size() for t in (one.token_ids, one.loss_mask, one.taps,
+                                                      one.last_hidden))  # fmt: skip
+    buf = SampleBuffer(BufferPolicy(max_bytes=3 * size + 10, holdout_fraction=0.0))
+    for i in range(5):
+        buf.add(Sample.from_tap(_msg(i)), now=1000.0)
+    assert len(buf) == 3 and buf.nbytes == 3 * size and buf.stats.evicted["bytes"] == 2
+    assert [s.request_id for s in buf.all_samples()] == ["req-2", "req-3", "req-4"]
+    held = SampleBuffer(BufferPolicy(max_bytes=2 * size, holdout_fraction=1.0))
+    for i in range(4):
+        held.add(Sample.from_tap(_msg(i)), now=1000.0)
+    assert len(held.holdout()) == 2 and held.nbytes == 2 * size  # held-out samples count too
 
 
 # ------------------------------------------------------------------------------ fuzzed frames

@@ -82,10 +82,12 @@ def _messages(target: Path, ids: bool = False) -> tuple[list[TapMessage], int]:
             fingerprint=model_fingerprint(tcfg),
         )
         out.append(msg)
-        if not is_holdout(msg.header.request_id, BufferPolicy.holdout_fraction):
+        if not is_holdout(msg.header.request_id, BufferPolicy.holdout_fraction, HOLDOUT_KEY):
             train_tokens += n
     return out, train_tokens
 
+
+HOLDOUT_KEY = b"online-parallel-holdout-key-0123"  # the learners' (--holdout-key-file)
 
 PLANT = """
 from codraft.learner.parallel.context import ContextParallel
@@ -101,11 +103,14 @@ def _learn(
     target = _target()
     messages, tokens = _messages(target, ids)
     tap = f"tcp://127.0.0.1:{_port()}"
+    key = out.with_name(out.name + ".holdout-key")
+    key.write_bytes(HOLDOUT_KEY)
     args = [
         "learn", "--server", f"http://127.0.0.1:{_port()}", "--tap", tap, "--target", str(target),
         "--out", str(out), "--steps", str(STEPS), "--publish-every", "1000", "--http-port", "0",
         "--min-buffer-tokens", str(tokens), "--token-budget", str(BUDGET), "--draft-vocab", "64",
-        "--k", "2", "--device", "cpu", "--cp", str(cp), "--lr", "3e-3", *flags,
+        "--k", "2", "--device", "cpu", "--cp", str(cp), "--lr", "3e-3",
+        "--holdout-key-file", str(key), *flags,
     ]  # fmt: skip
     if nproc == 1:
         cmd = [sys.executable, "-m", "codraft.cli", *args]

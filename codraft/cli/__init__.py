@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 
-from codraft.cli import control, generate, learn, prepare, record, serve, tiny
+from codraft.cli import control, generate, keys, learn, prepare, record, serve, tiny
 
 PASSTHROUGH = {"serve"}  # subcommands that hand unknown arguments on (to vLLM)
 # in the order `codraft --help` lists them; each adds its subparsers and their commands
-SUBCOMMANDS = (prepare, tiny, generate, serve, record, learn, control)
+SUBCOMMANDS = (prepare, tiny, generate, serve, record, learn, control, keys)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,23 +1,30 @@
 """The sample buffer between the tap stream and the trainer, with a stated retention policy.
 
 Policy (all bounds apply at once; the oldest samples go first):
-- size: at most `max_samples` documents and `max_tokens` tokens;
+- size: at most `max_samples` documents, `max_tokens` tokens and `max_bytes` bytes (the
+  samples' tensors: token ids, loss mask, taps, final hidden state; held-out samples count
+  too, and training samples go first);
 - age: samples older than `max_age_s` seconds are dropped;
 - policy window: only samples whose policy version is within `policy_window` of the newest seen
   are kept, so data of a superseded RL policy ages out as soon as the new policy's arrives;
-- held-out: a deterministic `holdout_fraction` of requests (by request id hash) never trains; it
-  is the evaluation set on which each candidate draft is compared with the serving one (its own
-  bounded list, same age and policy rules).
+- held-out: a `holdout_fraction` of requests never trains; it is the evaluation set on which
+  each candidate draft is compared with the serving one (its own bounded list, same age and
+  policy rules). Which requests are held out is an HMAC-SHA256 of the request id under a key
+  only this learner knows (`holdout_key`, random per buffer unless given), so a sender, who
+  chooses request ids, cannot choose what the publish gate scores; the same request always
+  lands on the same side under one key.
 Training batches draw documents uniformly at random from the buffer (with replacement across
 steps), so recent data is seen several times while it stays.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import random
 import threading
 import time
-import zlib
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -28,10 +35,13 @@ from codraft.learner.data.packing import Sample
 class BufferPolicy:
     max_samples: int = 4096
     max_tokens: int = 2_000_000
+    max_bytes: int = 2 << 30  # the buffered samples' tensors, held-out ones included
     max_age_s: float = 1800.0
     policy_window: int = 0  # keep policy versions >= newest - window
     holdout_fraction: float = 0.1
     max_holdout: int = 64
+    # the held-out split's HMAC key; None: 32 random bytes per buffer (a learner's secret)
+    holdout_key: bytes | None = None
 
 
 @dataclass
@@ -39,6 +49,7 @@ class _Entry:
     sample: Sample
     policy_version: int
     received: float
+    nbytes: int = 0
 
 
 @dataclass
@@ -48,11 +59,24 @@ class BufferStats:
     evicted: Counter = field(default_factory=Counter)  # reason -> count
 
 
-def is_holdout(request_id: str, fraction: float) -> bool:
-    """Deterministic split by request id (the same request always lands on the same side)."""
+def is_holdout(request_id: str, fraction: float, key: bytes) -> bool:
+    """Whether a request is held out: HMAC-SHA256(key, request id) against `fraction`, so the
+    same request always lands on the same side under one key, and without the key no sender
+    can tell (or choose) which side a request id lands on."""
     if fraction <= 0:
         return False
-    return (zlib.crc32(request_id.encode()) % 10_000) < fraction * 10_000
+    digest = hmac.new(key, request_id.encode(), hashlib.sha256).digest()
+    return int.from_bytes(digest[:8], "little") / 2.0**64 < fraction
+
+
+def sample_nbytes(sample: Sample) -> int:
+    """Bytes a sample's tensors hold (what `BufferPolicy.max_bytes` bounds)."""
+    return sum(
+        t.numel() * t.element_size()
+        for t in (sample.token_ids, sample.loss_mask, sample.taps, sample.last_hidden,
+                  sample.teacher_logits)
+        if t is not None
+    )  # fmt: skip
 
 
 class SampleBuffer:
@@ -63,7 +87,10 @@ class SampleBuffer:
         self._train: deque[_Entry] = deque()
         self._holdout: deque[_Entry] = deque()
         self._tokens = 0
+        self._bytes = 0  # training and held-out samples together
         self._newest_policy = 0
+        key = self.policy.holdout_key
+        self._holdout_key = os.urandom(32) if key is None else bytes(key)
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
         self.stats = BufferStats()
@@ -76,14 +103,15 @@ class SampleBuffer:
 
     def add(self, sample: Sample, policy_version: int = 0, now: float | None = None) -> None:
         now = time.time() if now is None else now
-        entry = _Entry(sample, int(policy_version), now)
+        entry = _Entry(sample, int(policy_version), now, sample_nbytes(sample))
         with self._lock:
             self._newest_policy = max(self._newest_policy, entry.policy_version)
-            if is_holdout(sample.request_id, self.policy.holdout_fraction):
+            self._bytes += entry.nbytes
+            if self.is_holdout(sample.request_id):
                 self._holdout.append(entry)
                 self.stats.held_out += 1
                 while len(self._holdout) > self.policy.max_holdout:
-                    self._holdout.popleft()
+                    self._bytes -= self._holdout.popleft().nbytes
             else:
                 self._train.append(entry)
                 self._tokens += len(sample)
@@ -107,7 +135,9 @@ class SampleBuffer:
                 why = stale(e)
                 if why is None:
                     kept.append(e)
-                elif counted:
+                    continue
+                self._bytes -= e.nbytes
+                if counted:
                     self._tokens -= len(e.sample)
                     self.stats.evicted[why] += 1
             queue.clear()
@@ -115,7 +145,28 @@ class SampleBuffer:
         while self._train and (len(self._train) > p.max_samples or self._tokens > p.max_tokens):
             e = self._train.popleft()
             self._tokens -= len(e.sample)
+            self._bytes -= e.nbytes
             self.stats.evicted["size"] += 1
+        while self._bytes > p.max_bytes and (self._train or self._holdout):
+            if self._train:
+                e = self._train.popleft()
+                self._tokens -= len(e.sample)
+                self.stats.evicted["bytes"] += 1
+            else:
+                e = self._holdout.popleft()
+            self._bytes -= e.nbytes
+
+    def is_holdout(self, request_id: str) -> bool:
+        """Whether this buffer holds `request_id` out of training (its own key)."""
+        return is_holdout(request_id, self.policy.holdout_fraction, self._holdout_key)
+
+    def clear(self, reason: str) -> None:
+        """Drop every sample, training ones counted as evicted for `reason`."""
+        with self._lock:
+            self.stats.evicted[reason] += len(self._train)
+            self._train.clear()
+            self._holdout.clear()
+            self._tokens = self._bytes = 0
 
     def __len__(self) -> int:
         return len(self._train)
@@ -123,6 +174,11 @@ class SampleBuffer:
     @property
     def tokens(self) -> int:
         return self._tokens
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffered samples' tensors hold (training and held-out)."""
+        return self._bytes
 
     def draw(self, token_budget: int, now: float | None = None) -> list[Sample]:
         """Random documents up to `token_budget` tokens (at least one when not empty)."""

@@ -7,7 +7,12 @@ target recomputed from the token ids, stage by stage, codraft.learner.pipeline_t
 pipelines of pp stages train; the last stage of replica 0, which holds a draft, is the lead that
 does what rank 0 does otherwise. The loop (ingest and HTTP in background threads):
 
-1. ingest validates and buffers the server's tap messages (codraft.learner.online.ingest/buffer);
+1. ingest validates and buffers the server's tap messages (codraft.learner.online.ingest/buffer):
+   over CURVE when the tap endpoint leaves the host (`tap_key`, `tap_allowed_keys`;
+   codraft.tap.auth), each message checked against the target, the tap layers, dtype and mode
+   this learner trains on, and against the policy and draft versions the server announces
+   (read every `announce_every_s` in a thread of its own; a version more than `version_slack`
+   ahead is refused);
 2. once `min_buffer_tokens` are buffered, the first draft is built: the serving draft's geometry
    (read from its checkpoint when this machine can see it, else the configured one) with a
    vocabulary of the most frequent completion tokens seen so far; or, after a restart, the newest
@@ -63,7 +68,7 @@ from codraft.learner.online.feed import (
     BatchFeed,
 )
 from codraft.learner.online.http import HttpThread, build_app
-from codraft.learner.online.ingest import TapIngest
+from codraft.learner.online.ingest import TapIngest, VersionBounds
 from codraft.learner.online.metrics import LearnerMetrics
 from codraft.learner.online.publish_thread import PublishJob, PublishThread
 from codraft.learner.online.publisher import Publisher, PublishOutcome
@@ -75,6 +80,7 @@ from codraft.learner.trainer import TrainConfig, Trainer
 from codraft.models.config import TargetConfig
 from codraft.prepare import resolve_model
 from codraft.tap import TapExpectation, model_fingerprint
+from codraft.tap.auth import TapKeys
 
 log = logging.getLogger("codraft.learn")
 
@@ -84,9 +90,17 @@ class OnlineConfig:
     server: str = "http://127.0.0.1:8000"  # the control API (its own port when it has one)
     token: str | None = None
     tap: str = "tcp://127.0.0.1:5557"  # bound here; servers connect
+    # CURVE on the tap (codraft.tap.auth), required when `tap` leaves the host: this learner's
+    # secret certificate (a *.key_secret file, or a folder holding one) and the folder of the
+    # public certificates (*.key) of the servers it accepts
+    tap_key: str | None = None
+    tap_allowed_keys: str | None = None
+    # a message's policy or draft version may be this far ahead of the server's announced one
+    version_slack: int = 1
+    announce_every_s: float = 5.0  # how often the server's versions are read (GET /ready)
     target: str = "smollm2"
     out: str = "runs/learner"  # checkpoints; must be visible to the server at the same path
-    http_host: str = "127.0.0.1"
+    http_host: str = "127.0.0.1"  # a probed pod listens on 0.0.0.0 (k8s passes --http-host)
     http_port: int = 9100  # /health and /metrics; 0 turns it off
     min_buffer_tokens: int = 1024
     publish_every_steps: int = 20
@@ -104,6 +118,17 @@ class OnlineConfig:
     buffer: BufferPolicy = field(default_factory=BufferPolicy)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # under torchrun
     pipeline: PipelineTrainConfig = field(default_factory=PipelineTrainConfig)  # with pp > 1
+
+    def __post_init__(self) -> None:
+        if self.version_slack < 0:
+            raise ValueError(f"version_slack must be >= 0, got {self.version_slack}")
+        if not self.announce_every_s > 0:
+            raise ValueError(f"announce_every_s must be > 0, got {self.announce_every_s}")
+        # keys required off loopback, and given paths there: checked before anything binds
+        self.tap_keys().required(self.tap, "the learner binds the tap on")
+
+    def tap_keys(self) -> TapKeys:
+        return TapKeys(self.tap_key, self.tap_allowed_keys)
 
 
 class OnlineLearner:
@@ -142,14 +167,26 @@ class OnlineLearner:
         # ids-only messages need a learner that runs the target (--recompute, --pp); any
         # other refuses them at ingest, counted under "mode", instead of failing its step
         recomputes = self.pipelined or cfg.train.recompute
+        # Tap layers and dtype are pinned as soon as they are known: to the serving draft's tap
+        # layers (read with the server's versions), else to the first message accepted; the
+        # draft being trained re-pins its own (TapIngest.repin). Mode likewise, when open.
         self.expect = TapExpectation(
             fingerprint=model_fingerprint(self.target_config),
             hidden_size=self.target_config.hidden_size,
             vocab_size=self.target_config.vocab_size,
             mode=None if recomputes else "full",
         )
+        # Until the server has announced its versions, only versions within the slack of 0 are
+        # taken: a learner that cannot read the server takes nothing from ahead of it.
+        self.bounds = VersionBounds(policy=0, draft=0, slack=cfg.version_slack)
+        keys = cfg.tap_keys()
         # rank 0 alone binds the tap endpoint and buffers (codraft.learner.online.feed says why)
-        self.ingest = TapIngest(cfg.tap, self.buffer, self.expect) if self.main else None
+        self.ingest = (
+            TapIngest(cfg.tap, self.buffer, self.expect, keys=keys, bounds=self.bounds)
+            if self.main
+            else None
+        )
+        self._announcer: threading.Thread | None = None
         self._batches: list[PackedBatch] | None = None  # rank 0: the next step's, one a replica
         # the lead, pipelines: the held-out requests a publish waits on (the EVAL command)
         self._eval_held: list[Sample] = []
@@ -188,8 +225,15 @@ class OnlineLearner:
     def run(self) -> dict:
         """Train until stopped (a signal, max_steps, max_seconds); the health summary."""
         if self.main:
+            self._announcer = threading.Thread(
+                target=self._watch_server, name="codraft-announced", daemon=True
+            )
+            self._announcer.start()
             self.ingest.start()
-            log.info("listening for taps on %s; server %s", self.ingest.bound, self.cfg.server)
+            log.info(
+                "listening for taps on %s (%s); server %s", self.ingest.bound,
+                "CURVE" if self.ingest.curve else "plaintext, loopback", self.cfg.server,
+            )  # fmt: skip
         if self.cfg.http_port:  # every rank: its own port, 9100 + its local rank
             app = build_app(self.metrics.registry, self.health)
             port = self.cfg.http_port + int(os.environ.get("LOCAL_RANK", "0"))
@@ -224,6 +268,9 @@ class OnlineLearner:
                 self._apply_published()
             if self.ingest is not None:
                 self.ingest.stop()
+            if self._announcer is not None:
+                self.stop_event.set()
+                self._announcer.join(timeout=5)
             if self.pipe is not None:
                 self.pipe.close()
             if self.http:
@@ -251,11 +298,43 @@ class OnlineLearner:
                 draws = [self.buffer.draw(self.cfg.train.token_budget)
                          for _ in range(self.mesh.dp_size)]  # fmt: skip
                 if all(draws):
-                    self._batches = [pack(d, pad_multiple=self.pad_multiple) for d in draws]
+                    try:
+                        self._batches = [pack(d, pad_multiple=self.pad_multiple) for d in draws]
+                    except ValueError as e:  # ingest pins what packs together: not expected
+                        log.error("buffered samples do not pack (%s): buffer emptied", e)
+                        self.buffer.clear("unpackable")
+                        continue
                     return STEP
             if time.monotonic() >= deadline:
                 return IDLE
             time.sleep(0.1 if self.trainer is not None else 0.2)
+
+    def _watch_server(self) -> None:
+        """Rank 0's thread: the server's announced versions into the ingest's bounds, and the
+        serving draft's tap layers into its expectation while none are pinned, every
+        `announce_every_s` until the learner stops."""
+        while not self.stop_event.is_set():
+            self.read_announced()
+            self.stop_event.wait(self.cfg.announce_every_s)
+
+    def read_announced(self) -> bool:
+        """One read of the server's versions (GET /ready, GET /v1/draft); False when the
+        server did not answer (the bounds stay as they were)."""
+        try:
+            ready = self.client.ready()
+            info = self.client.draft()
+        except (CodraftConnectionError, CodraftHTTPError) as e:
+            log.debug("cannot read the server's versions: %s", e)
+            return False
+        if ready.policy_version is not None:
+            self.bounds.policy = max(self.bounds.policy or 0, int(ready.policy_version))
+        served = [v for v in (ready.draft_version, info.version, info.highest_version)
+                  if v is not None]  # fmt: skip
+        if served:
+            self.bounds.draft = max([self.bounds.draft or 0, *served])
+        if info.tap_layers and self.ingest is not None and self.ingest.expect.tap_layers is None:
+            self.ingest.repin(tuple(info.tap_layers))
+        return True
 
     def _wait(self, seconds: float) -> None:
         self._waited += seconds
@@ -373,6 +452,7 @@ class OnlineLearner:
             self._saved_step = self.trainer.step_count
         if not self.main:
             return
+        self._pin_draft_taps()
         if serving_path is not None:
             try:
                 served, _ = load_draft(serving_path)
@@ -393,6 +473,12 @@ class OnlineLearner:
             self.trainer.draft.config.draft_vocab_size,
             list(self.trainer.draft.config.tap_layers),
         )  # fmt: skip
+
+    def _pin_draft_taps(self) -> None:
+        """The draft being trained reads its tap layers: messages of others are refused from
+        now on, and a buffer filled with others is emptied (never a step that cannot run)."""
+        if self.trainer is not None and self.ingest is not None:
+            self.ingest.repin(tuple(self.trainer.draft.config.tap_layers))
 
     def _start_pipeline(
         self, resume: bool, serving_cfg: AnyDraftConfig | None, serving_path: Path | None
@@ -540,7 +626,10 @@ class OnlineLearner:
         st = self.ingest.stats
         self.metrics.tap_accepted.set(st.accepted)
         self.metrics.ingested_tokens.set(st.accepted_tokens)
-        self.metrics.buffer_fill.set(self.buffer.tokens / max(1, self.cfg.buffer.max_tokens))
+        self.metrics.buffer_fill.set(self.buffer.tokens / max(1, self.buffer.policy.max_tokens))
+        self.metrics.buffer_bytes.set(self.buffer.nbytes)
+        for reason, n in self.buffer.stats.evicted.items():
+            self.metrics.buffer_evicted.labels(reason=reason).set(n)
         self.metrics.policy_version.set(self.buffer.newest_policy)
         self.metrics.policy_lag.set(self.buffer.newest_policy - self._saved_policy)
         for reason, n in st.rejected.items():
@@ -650,6 +739,7 @@ class OnlineLearner:
         assert outcome is not None, "a publish job is applied only once it has its outcome"
         if outcome.ok:
             self.published.append(job.version)
+            self.bounds.draft = max(self.bounds.draft or 0, job.version)  # the server's now
             self.metrics.published.inc()
             self.metrics.serving_version.set(job.version)
             self.serving = job.payload["draft"]

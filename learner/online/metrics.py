@@ -13,10 +13,23 @@ class LearnerMetrics:
         self.loss = Gauge("codraft_learner_loss", "last training loss", registry=r)
         self.tap_accepted = Gauge("codraft_learner_tap_accepted", "messages accepted", registry=r)
         self.tap_rejected = Gauge(
-            "codraft_learner_tap_rejected", "messages rejected", ["reason"], registry=r
+            "codraft_learner_tap_rejected",
+            "messages refused at ingest, by reason (codraft.tap.REASONS and the ingest's own: "
+            "policy_ahead, draft_ahead, auth, ...)",
+            ["reason"],
+            registry=r,
         )
         self.buffer_samples = Gauge("codraft_learner_buffer_samples", "buffered", registry=r)
         self.buffer_tokens = Gauge("codraft_learner_buffer_tokens", "buffered tokens", registry=r)
+        self.buffer_bytes = Gauge(
+            "codraft_learner_buffer_bytes", "bytes the buffered samples hold", registry=r
+        )
+        self.buffer_evicted = Gauge(
+            "codraft_learner_buffer_evicted",
+            "training samples evicted from the buffer (size, bytes, age, policy, tap_layers)",
+            ["reason"],
+            registry=r,
+        )
         self.published = Counter("codraft_learner_published", "drafts the server took", registry=r)
         self.publish_failures = Counter(
             "codraft_learner_publish_failures", "publish attempts refused", ["status"], registry=r
