@@ -78,6 +78,10 @@ STATS_EVERY_S = 0.1
 # How long the tap process waits for room in its publisher's queue before it drops a message
 # (TapPublisher.put): its input backs up into the pipe meanwhile, never into the engine's step.
 EMIT_WAIT_S = 5.0
+# Bytes of a step's host rows that may wait for the feed thread (a tap process that does not
+# keep up, or a stalled pipe): past it a step's rows are not queued, its requests are sent
+# incomplete instead (counted in `steps_dropped`). Rows in the device ring are bounded there.
+MAX_QUEUE_BYTES = 1 << 30
 _STOP = object()
 
 
@@ -146,9 +150,11 @@ class TapProcess:
         max_tokens: int,
         stats: CaptureStats,
         ring: DeviceRing | None = None,
+        max_queue_bytes: int = MAX_QUEUE_BYTES,
     ) -> None:
         """`ring`: the buffer on the engine's device the rows reach the tap process through
-        (EngineConfig.tap_device_ring); None, or not shareable: through the pipe."""
+        (EngineConfig.tap_device_ring); None, or not shareable: through the pipe.
+        `max_queue_bytes`: the bound on rows waiting for the feed thread (MAX_QUEUE_BYTES)."""
         self.target = target
         self.ring = ring
         self.draft_version = draft_version
@@ -159,7 +165,14 @@ class TapProcess:
         self.publisher_gen = 0  # which publisher those counts are of (one per open)
         self._gens = 0
         self.publisher_depth = 0
+        # unbounded in operations (each request's few are needed for the messages to be right),
+        # bounded in the bytes of the rows they carry (`max_queue_bytes`)
         self._queue: queue.Queue = queue.Queue()
+        self.max_queue_bytes = max_queue_bytes
+        self.queued_bytes = 0
+        self._row_bytes: dict[int, int] = {}  # id of a queued _Rows -> its bytes
+        self.steps_dropped = 0  # steps whose rows found the queue full
+        self._bytes_lock = threading.Lock()
         self._replies: dict[int, Any] = {}
         self._replied = threading.Condition()
         self._seq = 0
@@ -206,7 +219,35 @@ class TapProcess:
         if self.proc is None and op is _DROP_ALL:
             return  # nothing was ever captured: no process to start for it
         self._started()
+        if isinstance(op, _Rows):
+            nbytes = _rows_nbytes(op)
+            with self._bytes_lock:
+                full = self.queued_bytes + nbytes > self.max_queue_bytes
+                if not full:
+                    self.queued_bytes += nbytes
+                    self._row_bytes[id(op)] = nbytes
+                else:
+                    self.steps_dropped += 1
+            if full:
+                self._queue_full(op)
+                return
         self._queue.put(op)
+
+    def _queue_full(self, op: _Rows) -> None:
+        """A step's rows that found the queue full: its requests go out incomplete, never
+        wrong (the tap process drops them, counted in requests_incomplete)."""
+        if self.steps_dropped == 1 or self.steps_dropped % 1000 == 0:
+            log.warning(
+                "codraft tap: %d step(s) of rows dropped, the queue to the tap process holds "
+                "%d bytes (bound %d): the tap process does not keep up",
+                self.steps_dropped, self.queued_bytes, self.max_queue_bytes,
+            )  # fmt: skip
+        seen: set[int] = set()
+        for item in op.items:
+            state = item[0]
+            if id(state) not in seen:
+                seen.add(id(state))
+                self._queue.put(_Broken(state, "the queue to the tap process was full"))
 
     def depth(self) -> int:
         return self._queue.qsize()
@@ -265,6 +306,9 @@ class TapProcess:
             if op is _STOP:
                 os.close(self._out)
                 return
+            if isinstance(op, _Rows):
+                with self._bytes_lock:
+                    self.queued_bytes -= self._row_bytes.pop(id(op), 0)
             if not self.alive:
                 continue
             try:
@@ -406,6 +450,15 @@ class TapProcess:
         self.publisher_depth = int(s["queue_depth"])
 
 
+def _rows_nbytes(op: _Rows) -> int:
+    """Host bytes a step's rows hold while queued (0 on the device, in the ring or not: the
+    ring and RowCopier.max_bytes bound those)."""
+    rows = op.rows
+    if rows.slot is not None or rows.taps.device.type != "cpu":
+        return 0
+    return sum(t.numel() * t.element_size() for t in (rows.ids, rows.taps, rows.last))
+
+
 def publish_from(assembler: Any, tap: Any) -> None:
     """When `assembler` is a tap process, the engine's tap switch (codraft.server.tap_switch)
     opens its publisher there: the messages are built and sent by that process."""
@@ -413,14 +466,19 @@ def publish_from(assembler: Any, tap: Any) -> None:
         tap.make = functools.partial(RemotePublisher, assembler)
 
 
-def where_assembled(assembler: Any) -> dict[str, str]:
+def where_assembled(assembler: Any) -> dict[str, Any]:
     """`/stats`' `tap.assembly` ("process", "process (ended)" or "thread": where tap messages
     are assembled) and `tap.rows_via` ("device ring" or "pipe" to the tap process, "host copy"
-    when assembled in the engine's process) for an engine's assembler."""
+    when assembled in the engine's process) for an engine's assembler; with a tap process,
+    `tap.steps_dropped_queue_full` (steps whose rows found its queue full)."""
     if not isinstance(assembler, TapProcess):
         return {"assembly": "thread", "rows_via": "host copy"}
     alive = "process" if assembler.alive else "process (ended)"
-    return {"assembly": alive, "rows_via": assembler.rows_via}
+    return {
+        "assembly": alive,
+        "rows_via": assembler.rows_via,
+        "steps_dropped_queue_full": assembler.steps_dropped,
+    }
 
 
 class RemotePublisher:

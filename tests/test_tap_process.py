@@ -118,3 +118,24 @@ def test_a_burst_at_start_is_paced_not_dropped() -> None:
     h.cap.on_step(h.record(rows, new=new), [[4]] * n)
     got = h.done()  # asserts nothing was dropped, and receives every message sent
     assert sorted(got) == sorted(f"r{i}" for i in range(n)), sorted(got)
+
+
+def test_rows_past_the_queue_bound_are_dropped_and_counted() -> None:
+    """The queue to the tap process is bounded in the bytes of the rows it holds: a step whose
+    rows find it full is not queued, its requests go out incomplete (never wrong), and the step
+    is counted; the next step within the bound goes through."""
+    from codraft.server.tap_process import where_assembled
+
+    h = Harness(assembly="process")
+    tap = h.cap.assembler
+    tap.max_queue_bytes = 0  # every step's rows find the queue full
+    new = [NewRequest("a", [1, 2], _sp(max_tokens=1), "full")]
+    h.cap.on_step(h.record([("a", 0, [1, 2], 0)], new=new), [[3]])
+    tap.max_queue_bytes = 1 << 30
+    new = [NewRequest("b", [1, 2], _sp(max_tokens=1), "full")]
+    h.cap.on_step(h.record([("b", 0, [1, 2], 0)], new=new), [[3]])
+    got = h.done()
+    assert sorted(got) == ["b"], sorted(got)
+    assert tap.steps_dropped == 1 and tap.queued_bytes == 0
+    assert h.cap.stats.requests_incomplete == 1, h.cap.stats
+    assert where_assembled(tap)["steps_dropped_queue_full"] == 1
