@@ -28,8 +28,11 @@ engine does not step meanwhile, and an RPC can only start at a step boundary. He
 - `load(...)` (RPC `codraft_load_draft`) does both inside one RPC, as before.
 - `staged()` (RPC `codraft_staged_draft`): the staged draft's state (404 when none).
 
-At most one draft is staged: a newer prepare supersedes it (its ticket then gets 409; a thread
-still preparing it stops at its next step and drops what it read), a commit uses it up. The
+At most one draft is staged: a newer prepare supersedes it (its ticket then gets 409), a commit
+uses it up. Preparations run one at a time on a single worker thread, newest first: a prepare
+that is superseded before the worker reaches it is never read, and one being prepared stops at
+its next check (before the read, after the read and check, between the tensors of the staging,
+before the checksum wait) and drops what it read. The
 read buffer goes back to a pool of one for the next prepare. If the drafter's layout does not
 allow staging (`StageError`), the slot keeps its checkpoint tensors and the commit falls back to
 vLLM's in-place reload (`write_draft_weights`), as before.
@@ -42,6 +45,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -102,6 +106,26 @@ class Staging:
         return "failed" if self.error is not None else "ready"
 
 
+def _cancel(st: Staging) -> None:
+    st.error = SwapError(409, "superseded by a newer prepare before it was read")
+    st.done.set()
+
+
+class _Cancellable(dict):
+    """Checkpoint tensors whose `items()` asks `cancelled` before handing on each one (the
+    staging reads them through it): a superseded preparation stops between two tensors."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], cancelled: Callable[[], bool]) -> None:
+        super().__init__(weights)
+        self.cancelled = cancelled
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:  # type: ignore[override]
+        for name, tensor in super().items():
+            if self.cancelled():
+                raise SwapError(409, "superseded by a newer prepare while it was staged")
+            yield name, tensor
+
+
 class DraftSwapper:
     """The serving draft, the one kept for rollback, and the one being prepared."""
 
@@ -117,6 +141,10 @@ class DraftSwapper:
         self.highest = initial.version
         self.staging: Staging | None = None
         self.pool = BufferPool()
+        # the one preparing thread and the preparation it takes next (the newest only)
+        self._queue = threading.Condition()
+        self._next: Staging | None = None
+        self._worker: threading.Thread | None = None
         self._stage_into(initial, snapshot=True)
 
     # ------------------------------------------------------------------ prepare
@@ -132,29 +160,50 @@ class DraftSwapper:
 
     def prepare(self, path: Any, version: Any = None, sha256: Any = None) -> dict[str, Any]:
         st = self._new_staging(path, version, sha256)
-        threading.Thread(
-            target=self._prepare_body, args=(st,), name="codraft-prepare", daemon=True
-        ).start()
+        with self._queue:
+            dropped, self._next = self._next, st
+            if dropped is not None:  # superseded before the worker reached it: never read
+                _cancel(dropped)
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = threading.Thread(
+                    target=self._work, name="codraft-prepare", daemon=True
+                )
+                self._worker.start()
+            self._queue.notify()
         return {"ok": True, "ticket": st.ticket, "version": st.version, "ready": False}
+
+    def _work(self) -> None:
+        """The preparing thread: the newest queued preparation, one at a time."""
+        while True:
+            with self._queue:
+                while self._next is None:
+                    self._queue.wait()
+                st, self._next = self._next, None
+            self._prepare_body(st)
 
     def _superseded(self, st: Staging) -> bool:
         return self.staging is not st
 
+    def _check_current(self, st: Staging) -> None:
+        if self._superseded(st):
+            raise SwapError(409, "superseded by a newer prepare")
+
     def _prepare_body(self, st: Staging) -> None:
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
+            self._check_current(st)  # before a byte is read
             opened = open_draft(
                 st.path, st.version, st.sha256, self.current, self.fingerprint, self.pool
             )
             slot, checked = opened.slot, opened.checked
             try:
                 t1 = time.perf_counter()
-                if self._superseded(st):
-                    raise SwapError(409, "superseded by a newer prepare")
+                self._check_current(st)
                 if st.version is None:
                     check_newer(slot.version, self.highest, self.current.version)
-                self._stage_into(slot)
+                self._stage_into(slot, cancelled=lambda: self._superseded(st))
                 t2 = time.perf_counter()
+                self._check_current(st)
                 opened.verify()  # the sha256, computed meanwhile
             except BaseException:
                 checked.release()  # the slot is dropped: the buffer can be reused
@@ -184,15 +233,24 @@ class DraftSwapper:
         finally:
             st.done.set()
 
-    def _stage_into(self, slot: DraftSlot, snapshot: bool = False) -> None:
+    def _stage_into(
+        self,
+        slot: DraftSlot,
+        snapshot: bool = False,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> None:
         """Give `slot` its kernel state (its checkpoint tensors are then dropped); on a drafter
-        that does not allow staging, keep the tensors for vLLM's reload path."""
+        that does not allow staging, keep the tensors for vLLM's reload path. `cancelled` is
+        asked before each tensor is staged (409 once it says so)."""
         drafter, target = drafter_model(self.runner), target_model(self.runner)
         try:
             if snapshot:
                 slot.kernels = snapshot_live(drafter, target)
             else:
-                slot.kernels = stage_kernels(drafter, target, slot.weights)
+                weights = (
+                    slot.weights if cancelled is None else _Cancellable(slot.weights, cancelled)
+                )
+                slot.kernels = stage_kernels(drafter, target, weights)
             slot.weights = {}
             if torch.cuda.is_available():
                 # staged on this thread's stream; the engine reads them on its own stream,

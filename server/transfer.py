@@ -11,7 +11,10 @@ session with two RPCs of the worker extension, which call into this module:
   or refused transfer goes back to and a later rollback installs.
 - `end(ok, version)` after vLLM's finish (or after any failure, with ok False): a policy
   session makes `version` the serving policy, exactly as `POST /v1/policy` does (taps, stats
-  and response headers carry it from then on). A draft session rebuilds what vLLM's DFlash
+  and response headers carry it from then on). A failed policy session leaves the target's
+  weights part old, part new, with nothing to restore them from: the engine is then marked
+  `policy_broken` and the server refuses generation (503) until a policy loads or a transfer
+  completes. A draft session rebuilds what vLLM's DFlash
   model derives outside its layers (fused context K/V, RoPE reference) from the weights that
   arrived, since vLLM's reload rebuilt them from placeholders; checks every drafter tensor
   (loaded, finite) and makes them draft `version`, the snapshot its previous draft
@@ -44,7 +47,14 @@ from codraft.server.draft_kernels import (
 )
 from codraft.server.hooks import drafter_model, proposer, target_model
 from codraft.server.sleep_copy import SleepCopy, draft_tensors, module_tensors, pool_tags
-from codraft.server.weights import DraftSlot, PolicySlot, SwapError, utc_now
+from codraft.server.weights import (
+    DraftSlot,
+    PolicySlot,
+    SwapError,
+    check_version_step,
+    policy_broken_message,
+    utc_now,
+)
 
 # `e` below is the worker extension's CodraftEngine (not imported: it imports this module)
 CodraftEngine = Any
@@ -163,11 +173,17 @@ class Transfers:
                 log.warning("codraft: draft weight transfer failed; draft v%d restored",
                             e.current.version)  # fmt: skip
                 return {"ok": True, "restored": True, "draft": e.info()["draft"]}
-            log.error("codraft: policy weight transfer failed; the target's weights may be "
-                      "partly updated (policy still named v%d)", e.policy.version)  # fmt: skip
+            # vLLM's session writes the live weights as they arrive: some may be new, some old
+            e.policy_broken = policy_broken_message(
+                f"a policy weight transfer failed after it began writing the target's weights "
+                f"(v{e.policy.version} served before it)",
+                transfer=True,
+            )
+            log.error("codraft: %s", e.policy_broken)
             return {"ok": True, "restored": False, "policy": e.policy.info()}
         if s.kind == "policy":
             e.policy = PolicySlot(version, TRANSFERRED, utc_now())
+            e.policy_broken = None  # every weight arrived: generation is served again
             e.acceptance.restart(e.current.version)  # every draft is measured anew
             self.completed["policy"] += 1
             log.info("codraft: policy v%d arrived by weight transfer", version)
@@ -217,6 +233,7 @@ class Transfers:
             floor, what = e.swapper.highest, "the highest draft version installed"
         if version is None:
             return floor + 1
+        check_version_step(kind, version, floor)
         if version <= floor:
             raise SwapError(
                 409, f"{kind} version {version} is not newer than {what} ({floor}): finish the "

@@ -14,8 +14,11 @@ runs inside an RPC, i.e. between engine steps. The previous draft's weights stay
 rollback; if writing the new weights fails, the previous ones are written back.
 
 Policy reload. A new target folder must have the serving target's architecture (same
-`model_fingerprint`) and exactly its tensor names and shapes, with files as long as their
-headers say; then `GPUModelRunner.reload_weights` streams it in place. The KV prefix cache
+`model_fingerprint`), exactly its tensor names, shapes and dtypes (floats may differ in
+width) in every shard's header, files as long as their headers say, and finite values (read
+in a pre-pass over every shard for a policy up to `verify_max_bytes()`, so a bad second shard
+is refused before the first is written; a larger one is checked tensor by tensor as it
+streams); then `GPUModelRunner.reload_weights` streams it in place. The KV prefix cache
 computed with the old weights must be reset by the engine's owner afterwards
 (`reset_prefix_cache`); requests in flight during a policy reload see mixed weights.
 """
@@ -195,10 +198,28 @@ def check_load_args(path: Any, version: Any, sha256: Any) -> tuple[str, int | No
     return path, version, sha256
 
 
+# How far one load may move a version forward. Versions only grow, so a single jump to the top
+# of the range (2**53 - 1, the largest the control API takes) would refuse every later publish.
+MAX_VERSION_STEP = 1_000_000
+
+
+def check_version_step(kind: str, version: int, floor: int) -> None:
+    """422 when `version` lies more than MAX_VERSION_STEP above `floor` (the highest draft
+    installed, or the serving policy's version)."""
+    if version > floor + MAX_VERSION_STEP:
+        raise SwapError(
+            422,
+            f"{kind} version {version} is more than {MAX_VERSION_STEP} above v{floor}, the "
+            f"{'highest installed' if kind == 'draft' else 'serving'} one: versions count "
+            f"publishes, number this one {floor + 1} (up to {floor + MAX_VERSION_STEP})",
+        )
+
+
 def check_newer(version: int, highest: int, current: int) -> None:
     """409 unless `version` is above `highest`, the highest an engine has installed (a rollback
     makes an older draft current, and a version must still name one draft only: responses and
-    per-version metrics carry it)."""
+    per-version metrics carry it); 422 for a jump past MAX_VERSION_STEP."""
+    check_version_step("draft", version, highest)
     if version <= highest:
         after = "" if highest == current else f", though v{current} serves after a rollback"
         raise SwapError(
@@ -366,9 +387,73 @@ def folder_layout(path: Path) -> tuple[list[Path], dict[str, tuple[str, tuple[in
     return files, layout
 
 
+_FLOATS = frozenset({"F64", "F32", "F16", "BF16"})
+VERIFY_MAX_BYTES_ENV = "CODRAFT_POLICY_VERIFY_MAX_BYTES"
+VERIFY_MAX_BYTES = 64 << 30  # policies up to this size have every value read before the load
+
+
+def verify_max_bytes() -> int:
+    """The largest policy (bytes of its weight files) whose values are all checked before the
+    first write: `CODRAFT_POLICY_VERIFY_MAX_BYTES` in the engine's environment, else
+    VERIFY_MAX_BYTES. A larger policy has its values checked tensor by tensor as it streams
+    (then a bad value in a later shard is found after earlier ones were written, and the
+    previous policy must be restored)."""
+    raw = os.environ.get(VERIFY_MAX_BYTES_ENV)
+    if raw is None:
+        return VERIFY_MAX_BYTES
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        log.warning("%s=%r is no integer; using %d", VERIFY_MAX_BYTES_ENV, raw, VERIFY_MAX_BYTES)
+        return VERIFY_MAX_BYTES
+
+
+def policy_broken_message(what: str, transfer: bool = False) -> str:
+    """What a client is told while the target's weights are undefined (a failed policy load
+    that could not be restored, or a failed policy weight transfer)."""
+    fix = "complete a policy weight transfer, " if transfer else ""
+    return (
+        f"{what}: the target's weights are undefined and generation is refused; load a good "
+        f"policy (POST /v1/policy with a newer version), {fix}or restart the server"
+    )
+
+
+def _layout_problems(
+    layout: dict[str, tuple[str, tuple[int, ...]]], want: dict[str, tuple[str, tuple[int, ...]]]
+) -> list[str]:
+    missing = sorted(set(want) - set(layout))
+    extra = sorted(set(layout) - set(want))
+    common = sorted(set(want) & set(layout))
+    shapes = [
+        f"{k} {list(layout[k][1])} (expected {list(want[k][1])})"
+        for k in common
+        if layout[k][1] != want[k][1]
+    ]
+    dtypes = [
+        f"{k} {layout[k][0]} (expected {want[k][0]})"
+        for k in common
+        if layout[k][0] != want[k][0] and not {layout[k][0], want[k][0]} <= _FLOATS
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {missing[:8]}")
+    if extra:
+        problems.append(f"unexpected tensors {extra[:8]}")
+    if shapes:
+        problems.append(f"wrong shapes {shapes[:8]}")
+    if dtypes:
+        problems.append(f"wrong dtypes {dtypes[:8]}")
+    return problems
+
+
 def check_policy(path: str, serving: dict[str, Any]) -> list[Path]:
     """Check a policy folder against the serving target; return its weight files.
 
+    Nothing is written before all of it passed: the architecture (fingerprint), every shard's
+    header (tensor names, shapes and dtypes against the serving layout; a float tensor may
+    come in another float dtype, vLLM converts it; files as long as their headers say), and,
+    for a policy of up to `verify_max_bytes()`, every value (finite), all shards read once
+    here and once more by the load (the page cache usually serves the second read).
     `serving` holds "fingerprint" and "layout" (name -> (dtype, shape)) of the serving target.
     Raises SwapError 404 / 422."""
     root = Path(path)
@@ -391,36 +476,46 @@ def check_policy(path: str, serving: dict[str, Any]) -> list[Path]:
         raise SwapError(422, f"policy {path}: unreadable weights: {e}") from None
     want = serving.get("layout")
     if want:
-        missing = sorted(set(want) - set(layout))
-        extra = sorted(set(layout) - set(want))
-        shapes = [
-            f"{k} {list(layout[k][1])} (expected {list(want[k][1])})"
-            for k in sorted(set(want) & set(layout))
-            if layout[k][1] != want[k][1]
-        ]
-        problems = []
-        if missing:
-            problems.append(f"missing tensors {missing[:8]}")
-        if extra:
-            problems.append(f"unexpected tensors {extra[:8]}")
-        if shapes:
-            problems.append(f"wrong shapes {shapes[:8]}")
+        problems = _layout_problems(layout, want)
         if problems:
             raise SwapError(
                 422, f"policy {path} does not fit the serving target: " + "; ".join(problems)
             )
+    size = sum(f.stat().st_size for f in files)
+    if size <= verify_max_bytes():
+        try:
+            for _ in _stream(files):  # each tensor checked as it is read (see _stream)
+                pass
+        except (OSError, ValueError, RuntimeError) as e:
+            raise SwapError(
+                422, f"policy {path} refused before any weight was written: {e}"
+            ) from None
     return files
 
 
+def check_finite(file: Path, name: str, tensor: torch.Tensor) -> None:
+    """ValueError naming the tensor when a floating-point one holds NaN or Inf."""
+    if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise ValueError(
+            f"{file.name}: tensor {name} holds {bad} NaN or Inf value(s) of {tensor.numel()}; "
+            "a policy's weights must be finite"
+        )
+
+
 def _stream(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of `files`, each checked finite (ValueError) before it is handed on."""
     for file in files:
         with safe_open(str(file), framework="pt") as sf:
             for name in sf.keys():
-                yield name, sf.get_tensor(name)
+                tensor = sf.get_tensor(name)
+                check_finite(file, name, tensor)
+                yield name, tensor
 
 
 def write_policy_weights(runner: Any, vllm_config: Any, files: list[Path]) -> None:
-    """Stream target weights into the running target, in place."""
+    """Stream target weights into the running target, in place (a non-finite tensor stops the
+    stream with ValueError: the caller restores the previous policy)."""
     from vllm.config import set_current_vllm_config
 
     from codraft.server.hooks import target_model

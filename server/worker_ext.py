@@ -7,6 +7,10 @@ vLLM mixes the class into its worker; the methods below are then reachable throu
 `collective_rpc(name, kwargs=...)` (one result per worker; TP ranks answer alike, take [0]).
 They run in the engine's own loop, between engine steps, and never raise: every failure comes
 back as `{"ok": False, "status": <HTTP status>, "error": "<message>"}`, so the engine never dies.
+Every reply, ok or not, also carries "policy_broken": None, or the message saying that the
+target's weights are undefined (see `codraft_load_policy`; the serving side refuses generation
+meanwhile, codraft.server.policy_gate). Versions move forward by at most
+codraft.server.weights.MAX_VERSION_STEP per load (422 beyond).
 
 Hooks are installed the first time any codraft RPC runs; the engine's owner calls one right
 after the engine is built, before serving (`codraft serve` does; `codraft_info()` is enough).
@@ -42,8 +46,12 @@ RPC interface (all values plain JSON types):
 - `codraft_rollback_draft(reason="manual")` -> {"ok", "draft", "rolled_back_from"}; 409 when
   there is no previous draft (one level is kept; after a rollback there is none).
 - `codraft_load_policy(path, version)` -> {"ok", "policy", "reset_prefix_cache": True}; 409 /
-  404 / 422 as for drafts. The caller must reset the engine's prefix cache afterwards. Tap
-  messages and stats carry the policy version from then on.
+  404 / 422 as for drafts; every check (names, shapes, dtypes of every shard's header, finite
+  values: codraft.server.weights.check_policy) before the first write. The caller must reset
+  the engine's prefix cache afterwards. Tap messages and stats carry the policy version from
+  then on. A load that fails while it streams restores the previous policy (500); when that
+  fails too, the target's weights are undefined: the engine is `policy_broken` (500 with the
+  message) until a policy loads.
 - `codraft_transfer_begin(kind)`, `codraft_transfer_check(version=None)` -> {"ok", "kind",
   "version"}, `codraft_transfer_end(ok, version=None)`, `codraft_sleep(level)`,
   `codraft_wake(tags=None)`: the bracket of a vLLM weight-transfer session and of a sleep
@@ -102,7 +110,9 @@ from codraft.server.weights import (
     PolicySlot,
     SwapError,
     check_policy,
+    check_version_step,
     folder_layout,
+    policy_broken_message,
     read_initial_draft,
     serving_target,
     utc_now,
@@ -173,6 +183,9 @@ class CodraftEngine(StepListener, AutoRollback):
             )
         taps = tuple(self.current.config.tap_layers)
         self.policy = PolicySlot(0, self.serving["path"], utc_now())
+        # Set when a policy load (or a policy weight transfer) failed and left the target's
+        # weights undefined: the serving side refuses generation until a policy loads again.
+        self.policy_broken: str | None = None
         self.transfers = Transfers()  # vLLM weight-transfer sessions, sleep (server.transfer)
         self.acceptance = Acceptance(self.cfg.rollback_window, self.cfg.rollback_min_requests)
         self.rollback_history: list[dict] = []
@@ -340,6 +353,7 @@ class CodraftEngine(StepListener, AutoRollback):
             "ok": True,
             "draft": draft,
             "policy": self.policy.info(),
+            "policy_broken": self.policy_broken,
             "tap": self.tap.info(),
             "transfer": self.transfers.info(),
             "vllm_version": self.vllm_version,
@@ -382,30 +396,37 @@ class CodraftEngine(StepListener, AutoRollback):
     def load_policy(self, path: Any, version: Any) -> dict[str, Any]:
         path, version = _str_arg("path", path), _int_arg("version", version)
         self.transfers.refuse_while_open("a policy load")
+        check_version_step("policy", version, self.policy.version)
         if version <= self.policy.version:
             raise SwapError(
                 409,
                 f"policy version {version} is not newer than the serving version "
                 f"{self.policy.version}",
             )
-        files = check_policy(path, self.serving)
+        files = check_policy(path, self.serving)  # every check before the first write
         try:
             write_policy_weights(self.runner, self.vllm_config, files)
         except Exception as e:
             log.exception("codraft: policy reload failed; restoring %s", self.policy.path)
             try:
+                if self.policy_broken is not None:
+                    raise ValueError("the serving weights were undefined before this load")
                 if self.policy.path == TRANSFERRED:
                     raise ValueError("the serving policy arrived by weight transfer: no folder")
                 old_files = folder_layout(Path(self.policy.path))[0]
                 write_policy_weights(self.runner, self.vllm_config, old_files)
             except Exception as e2:
-                raise SwapError(
-                    500,
-                    f"policy reload failed ({e}) and restoring {self.policy.path} failed too "
-                    f"({e2}): the target's weights are undefined, restart the engine",
-                ) from None
+                self.policy_broken = policy_broken_message(
+                    f"loading policy v{version} from {path} failed ({e}) and restoring "
+                    f"v{self.policy.version} from {self.policy.path} failed too ({e2})"
+                )
+                log.error("codraft: %s", self.policy_broken)
+                raise SwapError(500, self.policy_broken) from None
             raise SwapError(500, f"policy reload failed ({e}); previous policy restored") from None
         self.policy = PolicySlot(version, path, utc_now())
+        if self.policy_broken is not None:
+            log.warning("codraft: policy v%d loaded: generation is served again", version)
+        self.policy_broken = None
         self.acceptance.restart(self.current.version)  # every draft is measured anew
         log.info("codraft: policy v%d loaded from %s", version, path)
         return {"ok": True, "policy": self.policy.info(), "reset_prefix_cache": True}
@@ -437,6 +458,7 @@ class CodraftEngine(StepListener, AutoRollback):
             "rollbacks": self.rollbacks,
             "auto_rollbacks": self.auto_rollbacks,
             "policy_version": self.policy.version,
+            "policy_broken": self.policy_broken,
             "draft_version": self.current.version,
         }
 
@@ -539,7 +561,16 @@ class CodraftWorkerExtension:
                 engine.run_pending()
             except Exception:
                 log.exception("codraft: pending automatic rollback failed")
-            return body(engine)
+            try:
+                reply = body(engine)
+            except SwapError as e:
+                reply = _error(e.status, str(e))
+            except Exception as e:
+                log.exception("codraft RPC failed")
+                reply = _error(500, f"{type(e).__name__}: {e}")
+            # every reply says whether the target's weights are undefined (the serving side
+            # refuses generation meanwhile: codraft.server.policy_gate)
+            return {**reply, "policy_broken": engine.policy_broken}
         except SwapError as e:
             return _error(e.status, str(e))
         except Exception as e:

@@ -58,7 +58,9 @@ from codraft.server.weights import (
     check_load_args,
     check_newer,
     check_policy,
+    check_version_step,
     open_draft,
+    policy_broken_message,
     read_initial_draft,
     target_at,
     utc_now,
@@ -178,6 +180,9 @@ class SGLangEngine(AutoRollback):
         self.stats_ = CaptureStats()
         self.serving = target_at(args.model_path, hf.to_dict)
         self.policy = PolicySlot(0, self.serving["path"], utc_now())
+        # set when a policy load failed and SGLang could not put the old weights back: the
+        # serving side refuses generation until a policy loads again (as vLLM's engine does)
+        self.policy_broken: str | None = None
         self.target = TapTarget(
             tap_layers=self.taps,
             hidden_size=self.hidden,
@@ -400,6 +405,7 @@ class SGLangEngine(AutoRollback):
         """SGLang's own route `source` changed the target's weights (an RL trainer's push):
         a new policy version, so tap messages and responses tell the weights apart."""
         self.policy = PolicySlot(self.policy.version + 1, f"sglang:{source}", utc_now())
+        self.policy_broken = None  # the whole target arrived
         self.acceptance.restart(self.current.version)  # every draft is measured anew
         log.info("codraft: policy v%d (target weights through SGLang's %s)",
                  self.policy.version, source)  # fmt: skip
@@ -419,9 +425,10 @@ class SGLangEngine(AutoRollback):
         except TypeError as e:  # unexpected or missing arguments
             return {"ok": False, "status": 422, "error": f"{method}: {e}"}
         try:
-            return fn(self, **kwargs)
+            reply = fn(self, **kwargs)
         except SwapError as e:
-            return {"ok": False, "status": e.status, "error": str(e)}
+            reply = {"ok": False, "status": e.status, "error": str(e)}
+        return {**reply, "policy_broken": self.policy_broken}  # see load_policy
 
     def info(self) -> dict:
         return {
@@ -437,6 +444,7 @@ class SGLangEngine(AutoRollback):
                 "vocab_map_fixed": True,
             },
             "policy": self.policy.info(),
+            "policy_broken": self.policy_broken,
             "tap": self.tap.info(),
             "engine": "sglang",
         }
@@ -511,10 +519,11 @@ class SGLangEngine(AutoRollback):
             raise SwapError(422, f"path must be a non-empty string, got {path!r}")
         if isinstance(version, bool) or not isinstance(version, int):
             raise SwapError(422, f"version must be an integer, got {version!r}")
+        check_version_step("policy", version, self.policy.version)
         if version <= self.policy.version:
             raise SwapError(409, f"policy version {version} is not newer than the serving "
                                  f"version {self.policy.version}")  # fmt: skip
-        check_policy(path, self.serving)
+        check_policy(path, self.serving)  # every check before the first write
         radix = not getattr(self.scheduler.server_args, "disable_radix_cache", True)
         if radix and not self.scheduler.is_fully_idle():
             raise SwapError(
@@ -523,9 +532,20 @@ class SGLangEngine(AutoRollback):
                 "no request runs: retry when idle, or serve with --disable-radix-cache (the "
                 "default with the tap in full mode)",
             )
-        ok, message = self.target_runner.weight_updater.update_weights_from_disk(path, "auto")
+        try:  # on a failed load SGLang reloads the weights it started with; if that fails too:
+            ok, message = self.target_runner.weight_updater.update_weights_from_disk(path, "auto")
+        except Exception as e:
+            self.policy_broken = policy_broken_message(
+                f"loading policy v{version} from {path} failed and SGLang's restore of the "
+                f"weights it started with failed too ({type(e).__name__}: {e})"
+            )
+            log.error("codraft: %s", self.policy_broken)
+            raise SwapError(500, self.policy_broken) from None
         if not ok:
-            raise SwapError(500, f"policy reload failed: {message}")
+            if self.policy_broken is None:
+                raise SwapError(500, f"policy reload failed: {message}")
+            raise SwapError(500, f"policy reload failed: {message}; {self.policy_broken}")
+        self.policy_broken = None
         if radix:
             self.scheduler.flush_cache()
         self.policy = PolicySlot(version, path, utc_now())
@@ -573,6 +593,7 @@ class SGLangEngine(AutoRollback):
             "rollbacks": self.rollbacks,
             "auto_rollbacks": self.auto_rollbacks,
             "policy_version": self.policy.version,
+            "policy_broken": self.policy_broken,
             "draft_version": self.current.version,
         }
 
