@@ -8,6 +8,13 @@ the crc32s: a header field of the wrong type or out of range, a missing or unkno
 header that is no map, token ids outside the vocabulary, a loss mask of 2, NaN or inf in the
 features, a data frame of another length than the header announces, frames added or dropped,
 frames of random bytes.
+
+`foreign(good, rng, limits)` returns `(kind, frames)`: a well-formed, sealed message that a
+learner expecting `good`'s target, tap layers, dtype and mode, and the server's versions, must
+still refuse (`REFUSED_AS` names the reason each kind is counted under): other tap layers
+(other ids, or another count), another dtype, a foreign target's fingerprint, another hidden
+size, the other mode, a policy or draft version far ahead of the server's, more tokens than
+the limits allow, a data frame past the message size limit.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from typing import Any
 
 import msgpack
 
-from codraft.tap.message import MAGIC
+from codraft.tap.message import DTYPES, MAGIC, TapLimits
 
 # Values of the wrong type for each header field, or out of its range.
 _WRONG: dict[str, list[Any]] = {
@@ -132,4 +139,69 @@ def malformed(good: list[bytes], rng: random.Random) -> tuple[str, list[bytes]]:
         ids, taps, last, mask = [
             frame if i == j else f for i, f in enumerate([ids, taps, last, mask])
         ]
+    return kind, seal(header, [ids, taps, last, mask])
+
+
+FOREIGN = (
+    "tap_layers", "tap_count", "dtype", "fingerprint", "hidden_size", "mode", "policy_version",
+    "draft_version", "oversized", "huge_part",
+)  # fmt: skip
+# the reason a learner counts each kind under (policy/draft: its ingest's version bounds)
+REFUSED_AS = {
+    "tap_layers": "tap_layers", "tap_count": "tap_layers", "dtype": "dtype",
+    "fingerprint": "fingerprint", "hidden_size": "hidden_size", "mode": "mode",
+    "policy_version": "policy_ahead", "draft_version": "draft_ahead", "oversized": "size",
+    "huge_part": "size",
+}  # fmt: skip
+
+
+def foreign(
+    good: list[bytes], rng: random.Random, limits: TapLimits, kind: str | None = None
+) -> tuple[str, list[bytes]]:
+    """A well-formed message made from valid frames `good` ('full' mode) that differs from it
+    in one way its receiver must refuse (see the module doc); `kind` one of FOREIGN, or
+    random. Features are zeros (finite), resized to what the header announces."""
+    header = msgpack.unpackb(bytes(good[1][:-4]), raw=False)
+    ids, taps, last, mask = (bytes(f) for f in good[2:])
+    kind = kind or rng.choice(FOREIGN)
+    T, H, layers = header["num_tokens"], header["hidden_size"], list(header["tap_layers"])
+    size = DTYPES[header["dtype"]].itemsize
+
+    def features(t: int, n: int, h: int, itemsize: int) -> tuple[bytes, bytes]:
+        return bytes(t * n * h * itemsize), bytes(t * h * itemsize)
+
+    if kind == "tap_layers":
+        pool = [i for i in range(64) if i not in layers]
+        header["tap_layers"] = sorted(rng.sample(pool, len(layers)))
+    elif kind == "tap_count":
+        n = len(layers) + 1 if len(layers) < 2 or rng.random() < 0.5 else len(layers) - 1
+        header["tap_layers"] = sorted(rng.sample(range(64), n))
+        taps, last = features(T, n, H, size)
+    elif kind == "dtype":
+        other = rng.choice([d for d in DTYPES if d != header["dtype"]])
+        header["dtype"] = other
+        taps, last = features(T, len(layers), H, DTYPES[other].itemsize)
+    elif kind == "fingerprint":
+        header["fingerprint"] = (
+            rng.choice(["qwen2-", "llama-", "mistral-"]) + rng.randbytes(8).hex()
+        )
+    elif kind == "hidden_size":
+        h = rng.choice([H // 2, H + 1, 2 * H]) or H + 1
+        header["hidden_size"] = h
+        taps, last = features(T, len(layers), h, size)
+    elif kind == "mode":
+        header["mode"], taps, last = "ids", b"", b""
+    elif kind in ("policy_version", "draft_version"):
+        header[kind] = rng.choice([2**63 - 1, 2**40, 10**6, header[kind] + 1000])
+    elif kind == "oversized":
+        t = limits.max_tokens + rng.randrange(1, 8)
+        header["num_tokens"] = t
+        ids, mask = bytes(4 * t), b"\x01" * t
+        taps, last = features(t, len(layers), H, size)
+    elif kind == "huge_part":  # a frame past the whole message's limit, the header unchanged
+        over = limits.max_message_bytes + limits.max_header_bytes + len(MAGIC) + 1
+        return kind, [*seal(header, [ids, taps, last, mask])[:3],
+                      bytes(over), last, mask]  # fmt: skip
+    else:
+        raise ValueError(f"unknown kind {kind!r}; expected one of {FOREIGN}")
     return kind, seal(header, [ids, taps, last, mask])

@@ -48,7 +48,7 @@ from codraft.client.errors import CodraftConnectionError, CodraftHTTPError
 from codraft.draft.checkpoint import AnyDraftConfig, DraftCheckpointError, check_draft, load_draft
 from codraft.draft.config import DraftConfig
 from codraft.draft.dflash import DFlashDraft
-from codraft.draft.dflash_config import DFlashConfig
+from codraft.draft.dflash_config import DFlashConfig, dflash_tap_layers
 from codraft.draft.init import new_dflash_draft
 from codraft.draft.model import Eagle3Draft
 from codraft.draft.vocab import build_draft_vocab
@@ -167,14 +167,17 @@ class OnlineLearner:
         # ids-only messages need a learner that runs the target (--recompute, --pp); any
         # other refuses them at ingest, counted under "mode", instead of failing its step
         recomputes = self.pipelined or cfg.train.recompute
-        # Tap layers and dtype are pinned as soon as they are known: to the serving draft's tap
-        # layers (read with the server's versions), else to the first message accepted; the
-        # draft being trained re-pins its own (TapIngest.repin). Mode likewise, when open.
+        # Tap layers are pinned from the start: to those of the draft this learner would build
+        # (--tap-layers, else the drafter's default for the target), then to the serving
+        # draft's once the server is read, then to the trained draft's (TapIngest.repin). The
+        # dtype (and the mode, when open) is pinned to the first message accepted.
+        self._served_taps: tuple[int, ...] | None = None  # the serving draft's, when read
         self.expect = TapExpectation(
             fingerprint=model_fingerprint(self.target_config),
             hidden_size=self.target_config.hidden_size,
             vocab_size=self.target_config.vocab_size,
             mode=None if recomputes else "full",
+            tap_layers=self._configured_taps(),
         )
         # Until the server has announced its versions, only versions within the slack of 0 are
         # taken: a learner that cannot read the server takes nothing from ahead of it.
@@ -332,9 +335,23 @@ class OnlineLearner:
                   if v is not None]  # fmt: skip
         if served:
             self.bounds.draft = max([self.bounds.draft or 0, *served])
-        if info.tap_layers and self.ingest is not None and self.ingest.expect.tap_layers is None:
-            self.ingest.repin(tuple(info.tap_layers))
+        if info.tap_layers:  # what the server taps: its draft's
+            served = tuple(int(t) for t in info.tap_layers)
+            if (info.kind or "eagle3") == self.cfg.train.drafter:  # a new draft of that kind
+                self._served_taps = served
+            if self.trainer is None and self.ingest is not None:  # after: the draft's rule
+                self.ingest.repin(served)
         return True
+
+    def _configured_taps(self) -> tuple[int, ...]:
+        """The tap layers of a new draft built without the serving draft's: --tap-layers, else
+        the drafter's default for the target."""
+        t = self.cfg.train
+        if t.tap_layers:
+            return tuple(int(x) for x in t.tap_layers)
+        if t.drafter == "eagle3":
+            return tuple(self.target_config.default_tap_layers())
+        return dflash_tap_layers(self.target_config.num_hidden_layers)
 
     def _wait(self, seconds: float) -> None:
         self._waited += seconds
@@ -544,7 +561,7 @@ class OnlineLearner:
             return new_dflash_draft(
                 self.target_config, mask_token_id=t.mask_token_id,
                 num_hidden_layers=t.dflash_layers, block_size=t.block_size,
-                tap_layers=t.tap_layers, seed=t.seed,
+                tap_layers=self._served_taps or t.tap_layers, seed=t.seed,
             )  # fmt: skip
         if serving_cfg is not None:
             cfg = serving_cfg
@@ -553,7 +570,7 @@ class OnlineLearner:
             cfg = DraftConfig.from_target(
                 self.target_config,
                 draft_vocab_size=min(t.draft_vocab_size, self.target_config.vocab_size),
-                tap_layers=t.tap_layers,
+                tap_layers=self._served_taps or t.tap_layers,  # what the server taps
                 dtype="float32",
             )
         if self.serving_vocab_fixed and serving_cfg is not None and not cfg.full_vocab:
