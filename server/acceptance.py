@@ -273,18 +273,30 @@ class AutoRollback:
 
 class FinishedVersions:
     """The draft version serving when each request finished, for the last `limit` request
-    ids (a response's X-Codraft-Draft-Version)."""
+    ids (a response's X-Codraft-Draft-Version).
+
+    `owner` names the engine request a finished one belongs to (vLLM's internal id, unique;
+    the children of an n > 1 request share their parent's): the parts of one request keep the
+    highest version any of them finished with, while an id that a later request reuses (a
+    client's request id sent twice) takes that request's version, lower or not (after a
+    rollback it is lower)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._versions: OrderedDict[str, int] = OrderedDict()
+        self._versions: OrderedDict[str, tuple[str | None, int]] = OrderedDict()
 
-    def note(self, keys: Iterable[str], version: int) -> None:
+    def note(self, keys: Iterable[str], version: int, owner: str | None = None) -> None:
         for key in keys:
-            self._versions[key] = max(version, self._versions.get(key, -1))
+            held = self._versions.get(key)
+            if held is not None and held[0] == owner:
+                version_here = max(version, held[1])
+            else:
+                version_here = version
+            self._versions[key] = (owner, version_here)
             self._versions.move_to_end(key)
         while len(self._versions) > self.limit:
             self._versions.popitem(last=False)
 
     def get(self, key: str) -> int | None:
-        return self._versions.get(key)
+        held = self._versions.get(key)
+        return None if held is None else held[1]

@@ -521,10 +521,29 @@ def write_policy_weights(runner: Any, vllm_config: Any, files: list[Path]) -> No
     from codraft.server.hooks import target_model
 
     with set_current_vllm_config(vllm_config), torch.inference_mode():
-        runner.reload_weights(
-            weights_iterator=_stream(files), weights_path=None, is_checkpoint_format=True
-        )
+        try:
+            runner.reload_weights(
+                weights_iterator=_stream(files), weights_path=None, is_checkpoint_format=True
+            )
+        except BaseException:
+            _end_interrupted_reload(runner.get_model(), vllm_config)
+            raise
         retie_lm_head(target_model(runner), vllm_config)
+
+
+def _end_interrupted_reload(model: Any, vllm_config: Any) -> None:
+    """vLLM's layerwise reload puts every layer on the meta device and buffers its weights
+    until the layer has them all; a stream that stops midway (a bad tensor) leaves the layers
+    not yet complete on meta, with wrapped loaders, and a second reload (the restore) then
+    fails on them. Finish the reload as vLLM would: layers that got no weight take their
+    kernel tensors back (the old weights), partly loaded ones are processed as they are (the
+    restore rewrites them)."""
+    try:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(model, vllm_config.model_config)
+    except Exception:
+        log.exception("codraft: finishing an interrupted policy reload failed")
 
 
 def retie_lm_head(model: Any, vllm_config: Any) -> None:

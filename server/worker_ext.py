@@ -334,7 +334,9 @@ class CodraftEngine(StepListener, AutoRollback):
     # ------------------------------------------------------------------ tap plumbing
     def _finished(self, req_id: str) -> None:
         self.acceptance.close(req_id)
-        self.versions_by_request.note(request_aliases(req_id), self.current.version)
+        child = re.fullmatch(r"\d+_(.+)", req_id)  # n > 1: one owner, the parent request
+        owner = child.group(1) if child else req_id
+        self.versions_by_request.note(request_aliases(req_id), self.current.version, owner)
 
     # ------------------------------------------------------------------ RPC bodies
     def draft_digest(self) -> dict[str, Any]:

@@ -175,3 +175,69 @@ def test_a_store_entry_is_whole_or_absent(drafts, tmp_path: Path, monkeypatch) -
     assert sorted(p.name for p in Path(kept).iterdir()) == sorted(
         p.name for p in drafts[3].iterdir()
     )
+
+
+# ------------------------------------------------------------------------------ failed record
+class _Engine:
+    """Answers the control API's RPCs like an engine with drafts v0 (serving) and v5."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.current = {"version": 0, "sha256": "0" * 64, "path": "/d0", "loaded_at": "t"}
+
+    async def collective_rpc(self, method: str, timeout=None, args=(), kwargs=None) -> list:
+        self.calls.append(method)
+        if method == "codraft_load_draft":
+            new = {**self.current, "version": 5, "sha256": "5" * 64, "path": "/d5"}
+            self.previous, self.current = self.current, new
+            return [{"ok": True, "ready": True, "draft": self.current}]
+        if method == "codraft_rollback_draft":
+            rolled, self.current = self.current, self.previous
+            return [{"ok": True, "draft": self.current, "rolled_back_from": rolled["version"]}]
+        return [{"ok": True, "draft": self.current, "policy": {"version": 0}}]
+
+
+def _control(record: Path):
+    from codraft.server.api import ControlSettings, EngineControl
+
+    engine = _Engine()
+    control = EngineControl(engine, ControlSettings(committed_file=str(record)))
+    control.draft_version = 0
+    return engine, control
+
+
+def test_a_swap_whose_record_cannot_be_written_fails_and_the_engine_goes_back(
+    tmp_path: Path,
+) -> None:
+    import asyncio
+
+    from codraft.server.auth import ControlError
+
+    record = tmp_path / "rec.json"
+    record.mkdir()  # a real failure of the atomic replace
+    engine, control = _control(record)
+    with pytest.raises(ControlError) as err:
+        asyncio.run(control.swap("codraft_load_draft", path="/d5", version=5))
+    assert err.value.status == 500
+    assert "could not be recorded" in err.value.message and "rolled back to v0" in err.value.message
+    assert engine.calls == ["codraft_load_draft", "codraft_rollback_draft"]
+    assert control.versions()[0] == 0 and engine.current["version"] == 0
+    record.rmdir()
+    asyncio.run(control.swap("codraft_load_draft", path="/d5", version=5))
+    assert json.loads(record.read_text())["version"] == 5
+
+
+def test_an_unrecorded_rollback_is_reported_not_undone(tmp_path: Path) -> None:
+    import asyncio
+
+    from codraft.server.auth import ControlError
+
+    record = tmp_path / "rec.json"
+    engine, control = _control(record)
+    asyncio.run(control.swap("codraft_load_draft", path="/d5", version=5))
+    record.unlink()
+    record.mkdir()
+    with pytest.raises(ControlError) as err:
+        asyncio.run(control.swap("codraft_rollback_draft", reason="test"))
+    assert err.value.status == 500 and "a restart would serve" in err.value.message
+    assert engine.calls[-1] == "codraft_rollback_draft" and engine.current["version"] == 0
