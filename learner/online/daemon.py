@@ -273,6 +273,7 @@ class OnlineLearner:
                 self.ingest.stop()
             if self._announcer is not None:
                 self.stop_event.set()
+                self.bounds.ahead.set()
                 self._announcer.join(timeout=5)
             if self.pipe is not None:
                 self.pipe.close()
@@ -315,10 +316,13 @@ class OnlineLearner:
     def _watch_server(self) -> None:
         """Rank 0's thread: the server's announced versions into the ingest's bounds, and the
         serving draft's tap layers into its expectation while none are pinned, every
-        `announce_every_s` until the learner stops."""
+        `announce_every_s` until the learner stops, and at once (at most every 0.2 s) after a
+        message was refused as ahead of them: the server may have moved on since."""
         while not self.stop_event.is_set():
+            self.bounds.ahead.clear()
             self.read_announced()
-            self.stop_event.wait(self.cfg.announce_every_s)
+            if self.bounds.ahead.wait(self.cfg.announce_every_s):
+                self.stop_event.wait(0.2)
 
     def read_announced(self) -> bool:
         """One read of the server's versions (GET /ready, GET /v1/draft); False when the

@@ -77,15 +77,19 @@ class VersionBounds:
     policy: int | None = None
     draft: int | None = None
     slack: int = 1
+    # set on every refusal: whoever reads the server's versions may read them again sooner
+    ahead: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def check(self, policy_version: int, draft_version: int) -> None:
         if self.policy is not None and policy_version > self.policy + self.slack:
+            self.ahead.set()
             raise TapRejected(
                 "policy_ahead",
                 f"policy version {policy_version}, but the server announces {self.policy} "
                 f"(+{self.slack} allowed): a message from ahead of the server's policy",
             )
         if self.draft is not None and draft_version > self.draft + self.slack:
+            self.ahead.set()
             raise TapRejected(
                 "draft_ahead",
                 f"draft version {draft_version}, but the server serves {self.draft} "
