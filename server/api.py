@@ -270,6 +270,9 @@ class EngineControl:
         self.swap_lock = asyncio.Lock()
         self.draft_version: int | None = None
         self.policy_version: int | None = None
+        # the engine's word that the target's weights are undefined (a failed policy load it
+        # could not undo): generation answers 503 with it (server.policy_gate), /ready too
+        self.policy_broken: str | None = None
         self._epoch = 0  # bumped by every swap, so a slower refresh never undoes it
         self.draining = False  # set on SIGTERM: /ready answers 503 while requests drain
         self._refresher: asyncio.Task | None = None
@@ -305,6 +308,7 @@ class EngineControl:
             raise ControlError(
                 502, f"engine RPC {method} answered {str(reply)[:200]!r}; expected a dict with 'ok'"
             )
+        self._note_broken(reply)
         if not reply["ok"]:
             status = reply.get("status")
             status = status if isinstance(status, int) and 400 <= status <= 599 else 500
@@ -314,6 +318,21 @@ class EngineControl:
     # -------------------------------------------------------------- cached versions
     def versions(self) -> tuple[int | None, int | None]:
         return self.draft_version, self.policy_version
+
+    def _note_broken(self, reply: dict) -> None:
+        """Every engine reply says whether the target's weights are undefined (worker_ext's
+        `policy_broken`): the gate and /ready know it from the reply of the load that broke
+        them, and from the next reply after a load that mended them."""
+        if "policy_broken" not in reply:
+            return
+        broken = reply["policy_broken"]
+        broken = str(broken)[:2000] if broken is not None else None
+        if broken != self.policy_broken:
+            if broken is None:
+                log.warning("the target's weights are defined again: generation is served")
+            else:
+                log.error("generation refused until a policy loads: %s", broken)
+        self.policy_broken = broken
 
     def _note(self, reply: dict) -> None:
         draft, policy = reply.get("draft"), reply.get("policy")
@@ -325,8 +344,9 @@ class EngineControl:
     async def _record(self, reply: dict, epoch: int | None = None) -> None:
         """Record a new serving draft (before a swap's reply goes out), so that a restart serves
         it; the write (fsync'ed) runs off the event loop, one at a time. A refresh's write
-        (`epoch` given) is dropped once a swap has begun since its read. A failed write is
-        logged: the swap itself has happened."""
+        (`epoch` given) is dropped once a swap has begun since its read, and a failed one is
+        logged (the next refresh tries again); a swap's failed write raises ControlError 500
+        (`swap_locked` then undoes the swap)."""
         draft = reply.get("draft")
         if not isinstance(draft, dict) or self.settings.committed_file is None:
             return
@@ -338,10 +358,49 @@ class EngineControl:
                 await asyncio.to_thread(write_record, Path(self.settings.committed_file), draft)
                 self._recorded = key
             except OSError as e:
+                if epoch is None:
+                    raise ControlError(
+                        500,
+                        f"draft v{key[0]} could not be recorded in "
+                        f"{self.settings.committed_file} ({type(e).__name__}: {e})",
+                    ) from None
                 log.error(
                     "draft v%s serves but could not be recorded in %s (%s): a restart would "
                     "serve an older draft", key[0], self.settings.committed_file, e,
                 )  # fmt: skip
+
+    async def _undo_unrecorded(self, reply: dict, before: int | None, e: ControlError) -> None:
+        """A swap whose record could not be written: the record is what a restart serves, so
+        the engine goes back to the draft the record still names (a rollback), and the swap
+        is answered with 500. A rollback that could not be recorded cannot be undone (the
+        draft rolled back from is not kept): it is reported, and the refresh retries the
+        record. Always raises ControlError."""
+        draft = reply.get("draft") if isinstance(reply.get("draft"), dict) else {}
+        version = draft.get("version")
+        if "rolled_back_from" in reply or version == before:
+            raise ControlError(
+                500,
+                f"{e.message}; the engine serves v{version} but a restart would serve what the "
+                f"record names (retried every {self.settings.refresh_s:g} s): fix the work dir",
+            )
+        try:
+            undo = await self.rpc(
+                "codraft_rollback_draft", reason=f"draft v{version} could not be recorded"
+            )
+        except ControlError as e2:
+            raise ControlError(
+                500,
+                f"{e.message}, and rolling the engine back to the recorded draft failed too "
+                f"({e2.message}): v{version} serves, a restart would serve the recorded one",
+            ) from None
+        self._note(undo)
+        back = (undo.get("draft") or {}).get("version")
+        raise ControlError(
+            500,
+            f"{e.message}: rolled back to v{back}, the draft the record names, so that a "
+            f"restart serves what serves now; fix the work dir (space, permissions) and "
+            f"publish again as v{version + 1 if isinstance(version, int) else '?'} or higher",
+        )
 
     async def keep(self, path: str) -> str:
         """The store's copy of the draft at `path` (the path itself without a store); under the
@@ -417,9 +476,13 @@ class EngineControl:
         try:
             self._epoch += 1
             t0 = time.perf_counter()
+            before = self.draft_version
             reply = await body()
             self._note(reply)
-            await self._record(reply)
+            try:
+                await self._record(reply)
+            except ControlError as e:
+                await self._undo_unrecorded(reply, before, e)
             await self._prune(reply)
             log.info("%s done in %.1f ms", what, 1000 * (time.perf_counter() - t0))
             return reply
@@ -682,14 +745,19 @@ def probe_router(control: EngineControl, paths: Iterable[str] = ("/health", "/re
         return JSONResponse({"status": "ok"})
 
     async def ready() -> JSONResponse:
-        """200 when the engine answers and a draft is loaded, 503 otherwise (and while the
-        server shuts down)."""
+        """200 when the engine answers, a draft is loaded and the target's weights are defined;
+        503 otherwise (and while the server shuts down), with the reason in `detail`."""
         if control.draining:
             return JSONResponse({"ready": False, "detail": "shutting down"}, status_code=503)
         try:
             info = await control.info()
         except ControlError as e:
             return JSONResponse({"ready": False, "detail": e.message}, status_code=503)
+        if control.policy_broken is not None:
+            return JSONResponse(
+                {"ready": False, "detail": control.policy_broken, "policy_broken": True},
+                status_code=503,
+            )
         version = (info.get("draft") or {}).get("version")
         if version is None:
             return JSONResponse({"ready": False, "detail": "no draft loaded"}, status_code=503)

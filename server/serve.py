@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from codraft.server.api import (
 )
 from codraft.server.committed import choose_draft, record_path, store_path
 from codraft.server.guard import SeedGuard, seeded_requests_crash
+from codraft.server.policy_gate import PolicyGate
 from codraft.server.serve_config import (
     ServeConfig,
     parse_vllm_args,
@@ -91,12 +93,31 @@ class VersionHeaders:
     Streamed responses: the versions current when the request arrived (headers precede the
     body). Complete JSON responses are held back until their body is done; then the engine is
     asked which draft was serving when the request finished (`codraft_request_versions`), and
-    the arrival-time version is the fallback when it cannot tell.
+    the arrival-time version is the fallback when it cannot tell. A client's X-Request-Id is
+    made unique first (`unique_request_id`), so each response's id names one request.
     """
 
     def __init__(self, app: ASGIApp, control: EngineControl) -> None:
         self.app = app
         self.control = control
+
+    @staticmethod
+    def unique_request_id(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """`headers` with a client's X-Request-Id made unique: `<its value>-<32 hex digits>`.
+
+        vLLM takes a response's id from X-Request-Id (`cmpl-<value>`), and the engine is asked
+        for the version of a response by that id: a value a client sends twice would name two
+        requests, and one could be labelled with the other's draft (after a rollback, the
+        higher one). Without the header vLLM's own ids are random already."""
+        out, client = [], None
+        for key, value in headers:
+            if key.lower() == b"x-request-id":
+                client = client if client is not None else value[:200]
+            else:
+                out.append((key, value))
+        if client is not None:
+            out.append((b"x-request-id", client + b"-" + uuid.uuid4().hex.encode()))
+        return out
 
     async def _finished_version(self, body: bytes) -> int | None:
         ids = _engine_ids(body)
@@ -119,6 +140,7 @@ class VersionHeaders:
         if scope["type"] != "http" or path not in VERSIONED_PATHS:
             await self.app(scope, receive, send)
             return
+        scope = {**scope, "headers": self.unique_request_id(list(scope.get("headers") or []))}
         draft, policy = self.control.versions()
         held: Message | None = None
         chunks: list[bytes] = []
@@ -249,6 +271,7 @@ async def serve(cfg: ServeConfig, args: argparse.Namespace, token: str | None) -
         add_outer_middleware(app, Dispatch, side=capp, paths=frozenset(here))
         add_outer_middleware(app, VersionHeaders, control=control)
         add_outer_middleware(app, SeedGuard, enabled=seeded_requests_crash())
+        add_outer_middleware(app, PolicyGate, control=control, exempt=CONTROL_PATHS | SYNC_PATHS)
 
         if csock is not None:
             config = uvicorn.Config(
