@@ -116,12 +116,15 @@ class Health(_Reply):
 
 
 class Ready(_Reply):
-    """GET /ready: ready (HTTP 200) when the engine answers and a draft is loaded; else 503."""
+    """GET /ready: ready (HTTP 200) when the engine answers, a draft is loaded and the target's
+    weights are defined; else 503 with the reason in `detail` (`policy_broken` True when a
+    policy load failed and could not be undone: load a good policy, or restart the server)."""
 
     ready: bool = False
     draft_version: int | None = None
     policy_version: int | None = None
     detail: str | None = None
+    policy_broken: bool = False
 
 
 # ------------------------------------------------------------------------------ requests
