@@ -196,7 +196,8 @@ _STATUS_TEXT = {
     "weight-transfer session",
     413: "request body over the limit",
     422: "malformed body, or a checkpoint that fails its checks",
-    500: "loaded, but a step after the load failed",
+    500: "loaded, but a step after the load failed (the committed-draft record could not be "
+    "written: the swap is rolled back), or a policy that failed and could not be undone",
     501: "the weight-transfer backend cannot run on this build (vLLM's CPU build)",
     502: "the engine's reply was unusable",
     503: "the engine is dead, or another swap holds the lock too long",
@@ -652,7 +653,7 @@ def control_router(control: EngineControl, auth: Callable[..., Awaitable[None]])
         or a transfer changed."""
         return await control.rpc("codraft_draft_digest")
 
-    @r.post("/v1/draft", **_documented(DraftReply, 403, 404, 409, body=DraftLoadRequest))
+    @r.post("/v1/draft", **_documented(DraftReply, 403, 404, 409, 500, body=DraftLoadRequest))
     async def post_draft(request: Request) -> dict:
         """Load a new draft {version, path, sha256}: 409 not newer, 422 contract or checksum,
         404 missing; the previous draft keeps serving on every failure. A draft staged by POST
@@ -685,7 +686,7 @@ def control_router(control: EngineControl, auth: Callable[..., Awaitable[None]])
         reply = await control.rpc("codraft_staged_draft", timeout=control.settings.probe_timeout_s)
         return reply["staged"]
 
-    @r.post("/v1/draft/rollback", **_documented(DraftReply, 409, body=RollbackRequest))
+    @r.post("/v1/draft/rollback", **_documented(DraftReply, 409, 500, body=RollbackRequest))
     async def rollback_draft(request: Request) -> dict:
         """Go back to the previous draft; 409 when there is none."""
         body = await read_body(request, RollbackRequest, empty_ok=True)
