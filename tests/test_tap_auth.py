@@ -213,3 +213,39 @@ def test_the_cli_writes_a_key_pair(tmp_path, capsys) -> None:
     assert (tmp_path / "server-a.key").is_file() and (tmp_path / "server-a.key_secret").is_file()
     load_secret(tmp_path / "server-a.key_secret")
     assert "server-a.key" in capsys.readouterr().out
+
+
+def test_the_tap_process_reads_the_keys_and_sends_over_curve(keys) -> None:
+    """vLLM's default assembly: the tap process opens the socket, so the key paths travel to it
+    (never the keys) and it reads them; a listed server's messages arrive over CURVE."""
+    from test_capture_steps import Harness, NewRequest, _sp
+
+    from codraft.server.tap_process import RemotePublisher
+
+    ing = _learner(keys)
+    h = Harness(assembly="process", handshake=False)
+    try:
+        h.pub.close()  # the harness's plaintext publisher, to its own socket
+        server = TapKeys(str(keys["server_secret"]), str(keys["learner"]), "--tap-key",
+                         "--tap-learner-key")  # fmt: skip
+        pub = RemotePublisher(h.cap.assembler, ing.bound, queue_size=16, hwm=100,
+                              linger_ms=500, keys=server)  # fmt: skip
+        time.sleep(0.5)  # the handshake
+        new = [NewRequest(f"r{i}", [1, 2, 3], _sp(max_tokens=1), "full") for i in range(4)]
+        h.cap.on_step(h.record([(f"r{i}", 0, [1, 2, 3], 0) for i in range(4)], new=new),
+                      [[4]] * 4)  # fmt: skip
+        assert h.cap.flush()
+        # decoded whole; the harness's requests have no completion token to learn on
+        delivered = lambda: ing.stats.accepted + ing.stats.rejected["no_loss_tokens"]  # noqa: E731
+        assert _until(lambda: delivered() == 4), (dict(ing.stats.rejected), pub.totals())
+        assert ing.stats.rejected_total == ing.stats.rejected["no_loss_tokens"]
+        half = TapKeys(str(keys["server_secret"]), None, "--tap-key", "--tap-learner-key")
+        with pytest.raises(ValueError, match="--tap-learner-key"):  # checked in this process
+            RemotePublisher(h.cap.assembler, "tcp://learner:5557", queue_size=1, hwm=1,
+                            linger_ms=0, keys=half)  # fmt: skip
+        pub.close()
+    finally:
+        h.cap.close()
+        h.sock.close(linger=0)
+        h.zctx.term()
+        ing.stop()
