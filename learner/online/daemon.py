@@ -190,6 +190,7 @@ class OnlineLearner:
             else None
         )
         self._announcer: threading.Thread | None = None
+        self._announced_ok: bool | None = None  # whether the last read of them worked
         self._batches: list[PackedBatch] | None = None  # rank 0: the next step's, one a replica
         # the lead, pipelines: the held-out requests a publish waits on (the EVAL command)
         self._eval_held: list[Sample] = []
@@ -331,8 +332,15 @@ class OnlineLearner:
             ready = self.client.ready()
             info = self.client.draft()
         except (CodraftConnectionError, CodraftHTTPError) as e:
-            log.debug("cannot read the server's versions: %s", e)
+            if self._announced_ok is not False:  # once a failure streak: not every few seconds
+                log.warning(
+                    "cannot read the server's versions (%s); tap messages stay bounded by the "
+                    "last ones read (policy %s, draft %s, +%d)",
+                    e, self.bounds.policy, self.bounds.draft, self.bounds.slack,
+                )  # fmt: skip
+            self._announced_ok = False
             return False
+        self._announced_ok = True
         if ready.policy_version is not None:
             self.bounds.policy = max(self.bounds.policy or 0, int(ready.policy_version))
         served = [v for v in (ready.draft_version, info.version, info.highest_version)
