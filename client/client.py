@@ -9,12 +9,21 @@ Both share everything but the sending (see `codraft.client.calls`): the same req
 only, on no answer or 5xx; `RetryPolicy`), errors (`codraft.client.errors`) and typed answers
 (`codraft.client.models`). The token comes from `token` or $CODRAFT_CONTROL_TOKEN and goes out as
 `Authorization: Bearer <token>` on every request.
+
+A server whose control port serves TLS (`codraft serve --ssl-keyfile K --ssl-certfile C`) is
+reached at an https:// URL; `verify` says whom to trust: True (the default) the system's CA
+bundle, or the file $SSL_CERT_FILE (or folder $SSL_CERT_DIR) names, as httpx reads them; a
+path: that CA file (or folder of CA certificates), e.g. the server's own self-signed
+certificate; an ssl.SSLContext as it is; False: no check (tests only: anyone on the path can
+read the token).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import ssl
 import time
 from typing import Any, TypeVar
 
@@ -31,6 +40,26 @@ T = TypeVar("T")
 USER_AGENT = "codraft-client/0.1"
 
 
+Verify = str | bool | ssl.SSLContext
+
+
+def tls_verify(verify: Verify) -> ssl.SSLContext | bool:
+    """What httpx is given for `verify`: True/False/a context as they are, a CA file or folder
+    as a context trusting it."""
+    if isinstance(verify, bool | ssl.SSLContext):
+        return verify
+    path = os.fspath(verify)
+    try:
+        if os.path.isdir(path):
+            return ssl.create_default_context(capath=path)
+        return ssl.create_default_context(cafile=path)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(
+            f"verify={path!r}: expected a PEM file (or folder) of CA certificates that signed "
+            f"the server's certificate; reading it failed: {e}"
+        ) from None
+
+
 class _Config:
     """What both clients hold: the server, the token, timeouts and the retry policy."""
 
@@ -41,18 +70,25 @@ class _Config:
         timeout: float,
         load_timeout: float,
         retry: RetryPolicy | None,
+        verify: Verify = True,
     ) -> None:
         self.base_url = resolve_base_url(base_url)
         self.token = resolve_token(token)
         self.timeout = timeout
         self.load_timeout = max(load_timeout, timeout)
         self.retry = retry if retry is not None else RetryPolicy()
+        self.verify = tls_verify(verify)
 
     def _http_kwargs(self) -> dict[str, Any]:
         headers = {"User-Agent": USER_AGENT, "Accept": "application/json"}
         if self.token is not None:
             headers["Authorization"] = f"Bearer {self.token}"
-        return {"base_url": self.base_url, "headers": headers, "timeout": self.timeout}
+        return {
+            "base_url": self.base_url,
+            "headers": headers,
+            "timeout": self.timeout,
+            "verify": self.verify,
+        }
 
     def _send_args(self, call: Call[Any]) -> dict[str, Any]:
         return {
@@ -130,8 +166,9 @@ class CodraftClient(_Config):
         load_timeout: float = 600.0,
         retry: RetryPolicy | None = None,
         transport: httpx.BaseTransport | None = None,
+        verify: Verify = True,
     ) -> None:
-        super().__init__(base_url, token, timeout, load_timeout, retry)
+        super().__init__(base_url, token, timeout, load_timeout, retry, verify)
         self._http = httpx.Client(transport=transport, **self._http_kwargs())
 
     def _run(self, call: Call[T], retry: RetryPolicy | None = None) -> T:
@@ -260,8 +297,9 @@ class AsyncCodraftClient(_Config):
         load_timeout: float = 600.0,
         retry: RetryPolicy | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        verify: Verify = True,
     ) -> None:
-        super().__init__(base_url, token, timeout, load_timeout, retry)
+        super().__init__(base_url, token, timeout, load_timeout, retry, verify)
         self._http = httpx.AsyncClient(transport=transport, **self._http_kwargs())
 
     async def _run(self, call: Call[T], retry: RetryPolicy | None = None) -> T:

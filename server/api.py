@@ -8,7 +8,8 @@ Every route is a thin layer over one `collective_rpc` method of the worker exten
   /v1/draft/rollback, POST /v1/policy, GET/PUT /v1/tap, all behind the bearer-token dependency
   `auth`.
 - `probe_router(control)`: GET /health (engine alive), GET /ready (engine ready and a draft
-  loaded); unauthenticated. /metrics is in `codraft.server.metrics`.
+  loaded, from the state EngineControl's refresher caches: no engine RPC per probe);
+  unauthenticated. /metrics is in `codraft.server.metrics`.
 - `BodyLimit`: ASGI middleware, 413 for control request bodies over `max_body_bytes`, before a
   single byte more is read.
 
@@ -65,6 +66,8 @@ class ControlSettings:
     probe_timeout_s: float = 5.0  # /ready, /metrics, GET routes
     swap_wait_s: float = 300.0  # how long a swap waits for the one in progress
     refresh_s: float = 0.5  # how often the cached draft/policy versions are re-read
+    # how often the cached counters (/metrics) are re-read; None: only when asked
+    stats_refresh_s: float | None = 5.0
     commit_poll_s: float = 0.005  # a draft swap asks this often whether its draft is prepared
     max_body_bytes: int = 8192
     checkpoint_root: str | None = None  # if set, loaded paths must resolve inside it
@@ -277,6 +280,13 @@ class EngineControl:
         self._epoch = 0  # bumped by every swap, so a slower refresh never undoes it
         self.draining = False  # set on SIGTERM: /ready answers 503 while requests drain
         self._refresher: asyncio.Task | None = None
+        # the last codraft_info / codraft_stats replies and when they came (time.monotonic()):
+        # /ready and /metrics read these, never the engine (the refresher keeps them fresh)
+        self.last_info: dict | None = None
+        self.last_stats: dict | None = None
+        self.info_at: float | None = None
+        self.info_error: str | None = None  # what the last codraft_info failed with
+        self.refresh_errors = 0  # failed background refreshes
         self._recorded: tuple | None = None  # the draft last written to committed_file
         self.store = DraftStore(self.settings.draft_store) if self.settings.draft_store else None
         self._staged_path: str | None = None  # the store's folder of the last draft prepared
@@ -430,19 +440,47 @@ class EngineControl:
 
     async def info(self) -> dict:
         epoch = self._epoch
-        reply = await self.rpc("codraft_info", timeout=self.settings.probe_timeout_s)
+        try:
+            reply = await self.rpc("codraft_info", timeout=self.settings.probe_timeout_s)
+        except ControlError as e:
+            self.info_error = e.message
+            raise
+        self.last_info, self.info_at, self.info_error = reply, time.monotonic(), None
         if epoch == self._epoch and not self.swap_lock.locked():
             self._note(reply)
             await self._record(reply, epoch)  # an automatic rollback, or the draft at start
         return reply
 
+    async def refresh_stats(self) -> None:
+        """Re-read the engine's counters into `last_stats` (what /metrics serves)."""
+        self.last_stats = await self.rpc("codraft_stats", timeout=self.settings.probe_timeout_s)
+
+    def stale_info(self) -> str | None:
+        """Why the cached codraft_info cannot vouch for the engine (none yet, or none for
+        longer than a refresh and its timeout take), or None when it is fresh."""
+        if self.info_error is not None:
+            return self.info_error
+        if self.info_at is None:
+            return "the engine has not answered codraft_info yet"
+        age = time.monotonic() - self.info_at
+        limit = 2 * (self.settings.refresh_s + self.settings.probe_timeout_s)
+        if age > limit:
+            return f"the engine has not answered codraft_info for {age:.0f} s"
+        return None
+
     async def _refresh_forever(self) -> None:
+        stats_due = 0.0
         while True:
             await asyncio.sleep(self.settings.refresh_s)
             try:
                 await self.info()
+                every = self.settings.stats_refresh_s
+                if every is not None and time.monotonic() >= stats_due:
+                    stats_due = time.monotonic() + every
+                    await self.refresh_stats()
             except ControlError as e:
-                log.debug("codraft_info refresh failed: %s", e.message)
+                self.refresh_errors += 1
+                log.debug("codraft_info/codraft_stats refresh failed: %s", e.message)
 
     def start(self) -> None:
         if self._refresher is None:
@@ -750,23 +788,22 @@ def probe_router(control: EngineControl, paths: Iterable[str] = ("/health", "/re
         503 otherwise (and while the server shuts down), with the reason in `detail`."""
         if control.draining:
             return JSONResponse({"ready": False, "detail": "shutting down"}, status_code=503)
-        try:
-            info = await control.info()
-        except ControlError as e:
-            return JSONResponse({"ready": False, "detail": e.message}, status_code=503)
+        stale = control.stale_info()  # the refresher's last reply: no engine RPC per probe
+        if stale is not None:
+            return JSONResponse({"ready": False, "detail": stale}, status_code=503)
         if control.policy_broken is not None:
             return JSONResponse(
                 {"ready": False, "detail": control.policy_broken, "policy_broken": True},
                 status_code=503,
             )
-        version = (info.get("draft") or {}).get("version")
+        version, policy_version = control.versions()
         if version is None:
             return JSONResponse({"ready": False, "detail": "no draft loaded"}, status_code=503)
         return JSONResponse(
             {
                 "ready": True,
                 "draft_version": version,
-                "policy_version": (info.get("policy") or {}).get("version"),
+                "policy_version": policy_version,
             }
         )
 

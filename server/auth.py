@@ -6,8 +6,10 @@ are 401 with a `WWW-Authenticate: Bearer` challenge and never echo what was sent
 configured the dependency lets every request through; `codraft serve` only allows that when the
 control routes listen on a loopback address.
 
-The OpenAI routes never see this dependency, and /health, /ready and /metrics stay open (probes
-and Prometheus scrapers normally carry no credentials; they reveal versions and counters only).
+The OpenAI routes never see this dependency (vLLM's --api-key guards them:
+`codraft.server.api_key`). /health, /ready and /metrics of the control port stay open (probes and
+Prometheus scrapers normally carry no credentials; they reveal versions and counters only, read
+from a cache: no request reaches the engine).
 """
 
 from __future__ import annotations
@@ -42,8 +44,12 @@ async def control_error_response(request: Request, exc: Exception) -> JSONRespon
     return JSONResponse({"detail": exc.message}, status_code=exc.status, headers=exc.headers)
 
 
-def _digest(value: str) -> bytes:
+def key_digest(value: str) -> bytes:
+    """The 32 bytes a token or key is compared as (`token_matches`)."""
     return hashlib.sha256(value.encode("utf-8", "surrogateescape")).digest()
+
+
+_digest = key_digest
 
 
 def _unauthorized(detail: str, error: str | None) -> ControlError:

@@ -6,22 +6,47 @@ model runner rewinds the request's torch Generator after rejected draft tokens
 not use offset`). One such request would take every other request down with it, so `codraft
 serve` answers it with 400 and a message instead. GPU builds are not affected and pass
 everything through.
+
+Where the check sits: at the HTTP edge, on every request with a body (POST, PUT, PATCH) to any
+path of the OpenAI port, not on a list of routes. vLLM builds SamplingParams in a dozen places
+(completions, chat, responses, /invocations, /inference/v1/generate, the Anthropic and Cohere
+front ends, ...) with no one hook to check them at, and new routes come with every release; a
+request body is the one place every client-supplied seed passes. The rules:
+
+- a JSON body is refused when any object in it, at any depth, has a key `seed` whose value is
+  a scalar other than null (`{"seed": 3}`, `{"sampling_params": {"seed": "3"}}`; a JSON Schema
+  naming a property `seed` in a tool definition holds an object there and passes);
+- a form body (urlencoded or multipart, e.g. audio transcriptions) is refused when it has a
+  field `seed`;
+- a body over `MAX_INSPECT_BYTES` (16 MiB, declared or streamed) is refused with 413 rather than
+  passed on unread; a body that is not JSON passes (vLLM answers it itself).
+
+Paths served by the control app (`skip_paths`) are not inspected: their bodies never reach
+generation, and they have a body limit of their own.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable
 from typing import Any
+from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-GUARDED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-MAX_INSPECT_BYTES = 16 << 20  # larger bodies pass through unread (vLLM applies its own checks)
+MAX_INSPECT_BYTES = 16 << 20
+WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
 SEED_MESSAGE = (
     "per-request 'seed' is not supported by this server: vLLM's CPU build cannot rewind a "
     "seeded generator under speculative decoding (it would stop the engine). Send the request "
     "without 'seed', or serve on a GPU build of vLLM."
 )
+TOO_LARGE = (
+    "request body is over {limit} bytes, the most this server reads (it checks every "
+    "request for a 'seed' its CPU build cannot serve); send a smaller request"
+)
+_FORM_SEED = re.compile(rb'content-disposition:[^\r\n]*\bname="?seed"?[;\s\r]', re.IGNORECASE)
 
 
 def seeded_requests_crash() -> bool:
@@ -33,51 +58,75 @@ def seeded_requests_crash() -> bool:
     return bool(current_platform.is_cpu())
 
 
-def _openai_error(message: str, status: int = 400) -> bytes:
+def _openai_error(message: str, status: int = 400, param: str | None = "seed") -> bytes:
+    kind = "BadRequestError" if status == 400 else "RequestTooLargeError"
     return json.dumps(
-        {"error": {"message": message, "type": "BadRequestError", "param": "seed", "code": status}}
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}
     ).encode()
 
 
-class SeedGuard:
-    """ASGI middleware: a completion request whose JSON body has a non-null `seed` gets 400."""
+async def _answer(send: Send, status: int, body: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
-    def __init__(self, app: ASGIApp, enabled: bool = True) -> None:
+
+class SeedGuard:
+    """ASGI middleware: a request whose body carries a seed gets 400, one whose body is over
+    `max_bytes` gets 413; everything else passes with its body intact."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        enabled: bool = True,
+        skip_paths: Iterable[str] = (),
+        max_bytes: int = MAX_INSPECT_BYTES,
+    ) -> None:
         self.app = app
         self.enabled = enabled
+        self.skip_paths = frozenset(skip_paths)
+        self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        path = scope.get("path", "").removeprefix(scope.get("root_path", "")) or "/"
         if not (
             self.enabled
             and scope["type"] == "http"
-            and scope.get("method") == "POST"
-            and path in GUARDED_PATHS
+            and scope.get("method") in WITH_BODY
+            and path not in self.skip_paths
         ):
             await self.app(scope, receive, send)
             return
+        headers = {k.lower(): v for k, v in scope.get("headers") or []}
+        declared = headers.get(b"content-length", b"")
+        too_large = _openai_error(TOO_LARGE.format(limit=self.max_bytes), 413, None)
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await _answer(send, 413, too_large)
+            return
         messages: list[Message] = []
         size, more = 0, True
-        while more and size <= MAX_INSPECT_BYTES:
+        while more:
             message = await receive()
             messages.append(message)
             if message["type"] != "http.request":
-                break
+                break  # the client went away: let the app see it
             size += len(message.get("body", b""))
             more = message.get("more_body", False)
-        if not more and _has_seed(b"".join(m.get("body", b"") for m in messages)):
-            body = _openai_error(SEED_MESSAGE)
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 400,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode()),
-                    ],
-                }
-            )
-            await send({"type": "http.response.body", "body": body})
+            if size > self.max_bytes:
+                await _answer(send, 413, too_large)
+                return
+        body = b"".join(m.get("body", b"") for m in messages)
+        if _has_seed(body, headers.get(b"content-type", b"")):
+            await _answer(send, 400, _openai_error(SEED_MESSAGE))
             return
 
         async def replay() -> Message:
@@ -86,9 +135,32 @@ class SeedGuard:
         await self.app(scope, replay, send)
 
 
-def _has_seed(body: bytes) -> bool:
+def _seeded(value: Any) -> bool:
+    """True when some object within `value` has a scalar, non-null `seed`."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            seed = item.get("seed")
+            if seed is not None and not isinstance(seed, dict | list):
+                return True
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def _has_seed(body: bytes, content_type: bytes) -> bool:
+    media = content_type.partition(b";")[0].strip().lower()
+    if media == b"application/x-www-form-urlencoded":
+        try:
+            return any(v for v in parse_qs(body.decode("latin-1")).get("seed", []))
+        except ValueError:
+            return False
+    if media.startswith(b"multipart/"):
+        return _FORM_SEED.search(body) is not None
     try:
         data: Any = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False  # vLLM answers malformed JSON itself
-    return isinstance(data, dict) and data.get("seed") is not None
+    return _seeded(data)

@@ -1,10 +1,13 @@
 """GET /metrics: vLLM's own Prometheus metrics plus codraft's, in one text exposition.
 
 codraft's counters live in the engine (the worker extension); `CodraftCollector` turns the last
-`codraft_stats`/`codraft_info` replies into Prometheus families, and every scrape refreshes them
-first (bounded by the probe timeout; a failed refresh serves the previous values and counts
-`codraft_stats_refresh_errors_total`). The route is unauthenticated, as scrape endpoints
-usually are: it exposes versions and counters, nothing that changes the server.
+`codraft_stats`/`codraft_info` replies into Prometheus families. A scrape sends no RPC to the
+engine: it reads the replies EngineControl's refresher keeps (codraft_info every `refresh_s`,
+codraft_stats every `stats_refresh_s`; failed refreshes serve the previous values and count in
+`codraft_stats_refresh_errors_total`), so scrapes at any rate cost the engine nothing. The
+route is unauthenticated on both ports (--api-key too leaves it open:
+`codraft.server.api_key`), as scrape endpoints usually are: it exposes versions and counters,
+nothing that changes the server.
 
 Metrics (counters carry the `_total` suffix in the exposition):
   codraft_tap_messages_sent, codraft_tap_messages_dropped, codraft_tap_bytes_sent,
@@ -169,23 +172,41 @@ class MetricsEndpoint:
         self.registry.register(self.collector)
         self.refresh_errors = Counter(
             "codraft_stats_refresh_errors",
-            "failed refreshes of codraft stats at scrape time",
+            "failed background refreshes of codraft stats and info",
             registry=self.registry,
         )
+        self._errors_seen = 0
 
     async def refresh(self) -> None:
-        timeout = self.control.settings.probe_timeout_s
+        """Ask the engine now (what the refresher does; for callers without one running)."""
         try:
-            stats, info = await asyncio.gather(
-                self.control.rpc("codraft_stats", timeout=timeout), self.control.info()
-            )
+            await asyncio.gather(self.control.refresh_stats(), self.control.info())
         except ControlError:
-            self.refresh_errors.inc()
-            return
+            self.control.refresh_errors += 1
+        self.use_cache()
+
+    def use_cache(self) -> None:
+        """Take EngineControl's cached replies, with the versions it knows now (a swap through
+        the API updates them at once, before the next refresh), and its count of failed
+        refreshes."""
+        draft, policy = self.control.versions()
+        info, stats = self.control.last_info, self.control.last_stats
+        if info is not None:
+            info = {
+                **info,
+                "draft": {**(info.get("draft") or {}), "version": draft},
+                "policy": {**(info.get("policy") or {}), "version": policy},
+            }
+        if stats is not None and policy is not None:
+            stats = {**stats, "policy_version": policy}
         self.collector.update(stats, info)
+        errors = self.control.refresh_errors
+        if errors > self._errors_seen:
+            self.refresh_errors.inc(errors - self._errors_seen)
+            self._errors_seen = errors
 
     async def handle(self, request: Request) -> Response:
-        await self.refresh()
+        self.use_cache()
         engine = self.engine_registry()
         body = generate_latest(engine) if engine is not None else b""
         body += generate_latest(self.registry)

@@ -12,6 +12,19 @@ One event loop serves up to two uvicorn servers sharing the engine client:
 Both bind 127.0.0.1 unless told otherwise; control routes need the bearer token when one is
 configured, and without one `codraft serve` refuses to expose them beyond loopback.
 
+Closed to strangers:
+- with vLLM's --api-key (or $VLLM_API_KEY) every path of the OpenAI port needs the key but
+  /health, /ready, /metrics and the control routes (which need the control token instead):
+  `codraft.server.api_key`;
+- the control routes refuse foreign Host and Origin headers and non-JSON state changes
+  (`codraft.server.cross_site`); /health, /ready and /metrics read cached state, never the
+  engine, so probes and scrapes at any rate cost it nothing;
+- the control port serves the same TLS as the OpenAI port (--ssl-keyfile, --ssl-certfile,
+  --ssl-ca-certs, --ssl-cert-reqs, --ssl-ciphers);
+- each port has its own connection cap (--max-connections, --control-max-connections) and a
+  header-read timeout (--header-timeout-s): `codraft.server.limits`;
+- VLLM_SERVER_DEV_MODE (vLLM's unauthenticated /collective_rpc, /sleep, ...) is refused.
+
 Every /v1/completions and /v1/chat/completions response carries `X-Codraft-Draft-Version` and
 `X-Codraft-Policy-Version`. A complete (non-streamed) response names the draft that was serving
 when its request finished, as the engine reports it. A streamed response sends its headers
@@ -45,8 +58,11 @@ from codraft.server.api import (
     document_security,
     install_control,
 )
+from codraft.server.api_key import OPEN_PATHS, ApiKeyGuard, api_keys
 from codraft.server.committed import choose_draft, record_path, store_path
+from codraft.server.cross_site import CrossSiteGuard, default_allowed_hosts
 from codraft.server.guard import SeedGuard, seeded_requests_crash
+from codraft.server.limits import uvicorn_limits
 from codraft.server.policy_gate import PolicyGate
 from codraft.server.serve_config import (
     ServeConfig,
@@ -173,11 +189,16 @@ class VersionHeaders:
 
 # ----------------------------------------------------------------------------- apps
 def build_control_app(
-    control: EngineControl, token: str | None, metrics: Any, weight_transfer: str | None = None
+    control: EngineControl,
+    token: str | None,
+    metrics: Any,
+    weight_transfer: str | None = None,
+    allowed_hosts: frozenset[str] | None = None,
 ) -> Any:
     """The control routes, /health, /ready and /metrics (and with `weight_transfer`, vLLM's RL
     weight-sync routes): served on --control-port, or reached through `Dispatch` on the OpenAI
-    port."""
+    port. The routes refuse cross-site requests (`CrossSiteGuard`; Host names: `allowed_hosts`,
+    default the loopback ones)."""
     from fastapi import FastAPI
 
     from codraft.server.metrics import install_metrics
@@ -187,6 +208,13 @@ def build_control_app(
     if weight_transfer is not None:
         install_weight_sync(app, control, token, weight_transfer)
     install_metrics(app, metrics)
+    guarded = set(CONTROL_PATHS) | (set(SYNC_PATHS) if weight_transfer else set())
+    app.add_middleware(
+        CrossSiteGuard,
+        paths=guarded,
+        allowed_hosts=allowed_hosts or default_allowed_hosts("127.0.0.1"),
+        token_set=token is not None,
+    )
     document_security(app, token, extra_paths=SYNC_PATHS if weight_transfer else ())
     return app
 
@@ -207,6 +235,85 @@ class Dispatch:
         path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
         target = self.side if scope["type"] == "http" and path in self.paths else self.app
         await target(scope, receive, send)
+
+
+def secure_openai_app(
+    app: Any, args: argparse.Namespace, *, seed_guard: bool, control_paths: frozenset[str]
+) -> None:
+    """The outermost layers of the OpenAI port: the seed guard (`codraft.server.guard`, every
+    request with a body but those to `control_paths`, which the control app serves) and, with
+    an API key configured, the key on every path but /health, /ready, /metrics and
+    `control_paths`
+    (`codraft.server.api_key`)."""
+    add_outer_middleware(app, SeedGuard, enabled=seed_guard, skip_paths=control_paths)
+    keys = api_keys(args)
+    if keys:
+        add_outer_middleware(app, ApiKeyGuard, keys=keys, open_paths=OPEN_PATHS | control_paths)
+
+
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+
+
+def check_dev_mode(environ: dict[str, str] | os._Environ[str]) -> None:
+    """Refuse vLLM's development mode: it adds /collective_rpc, /sleep, /reset_mm_cache and
+    more, answering anyone (no API key, no control token)."""
+    value = environ.get(DEV_MODE_ENV, "").strip()
+    if value not in ("", "0"):
+        raise ValueError(
+            f"{DEV_MODE_ENV}={value!r}: vLLM's development mode serves unauthenticated routes "
+            "that run code in the engine (/collective_rpc) and put it to sleep; codraft serve "
+            f"refuses it. Unset {DEV_MODE_ENV} (or set it to 0); codraft's control routes "
+            "and --weight-transfer's do what it is used for, behind the control token"
+        )
+
+
+def ssl_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn.Config's TLS keywords from vLLM's --ssl-* arguments (empty without a key)."""
+    if not getattr(args, "ssl_keyfile", None) or not getattr(args, "ssl_certfile", None):
+        return {}
+    out: dict[str, Any] = {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile}
+    for name in ("ssl_ca_certs", "ssl_cert_reqs", "ssl_ciphers"):
+        if getattr(args, name, None) is not None:
+            out[name] = getattr(args, name)
+    return out
+
+
+def _max_header_bytes(args: argparse.Namespace) -> int:
+    """vLLM's --h11-max-incomplete-event-size, or its default (4 MiB)."""
+    given = getattr(args, "h11_max_incomplete_event_size", None)
+    return int(given) if given else 4 << 20
+
+
+def openai_server_limits(cfg: ServeConfig, args: argparse.Namespace) -> dict[str, Any]:
+    """The OpenAI port's uvicorn keywords for its bounds (`codraft.server.limits`)."""
+    return uvicorn_limits(cfg.max_connections, cfg.header_timeout_s, _max_header_bytes(args))
+
+
+def control_server_config(
+    capp: Any, cfg: ServeConfig, args: argparse.Namespace, keep_alive_s: int = 5
+) -> Any:
+    """The control port's uvicorn.Config: the OpenAI port's TLS, a connection cap and a header
+    timeout of its own."""
+    import uvicorn
+
+    return uvicorn.Config(
+        capp,
+        log_level=getattr(args, "uvicorn_log_level", "info"),
+        access_log=not getattr(args, "disable_uvicorn_access_log", False),
+        lifespan="off",
+        timeout_keep_alive=keep_alive_s,
+        h11_max_incomplete_event_size=_max_header_bytes(args),
+        **uvicorn_limits(cfg.control_max_connections, cfg.header_timeout_s,
+                         _max_header_bytes(args)),
+        **ssl_settings(args),
+    )  # fmt: skip
+
+
+def allowed_control_hosts(cfg: ServeConfig) -> frozenset[str]:
+    """The Host names the control routes answer without a token: the address they are bound
+    to, the loopback names and --control-allowed-hosts."""
+    bound = cfg.effective_control_host if cfg.control_port is not None else cfg.host
+    return default_allowed_hosts(bound, cfg.control_allowed_hosts)
 
 
 class EngineSideError(RuntimeError):
@@ -230,8 +337,6 @@ async def _check_engine_side(control: EngineControl, cfg: ServeConfig) -> None:
 
 
 async def serve(cfg: ServeConfig, args: argparse.Namespace, token: str | None) -> None:
-    import uvicorn
-
     from codraft.server.compat import serve_api
     from codraft.server.metrics import MetricsEndpoint, install_metrics
 
@@ -262,7 +367,9 @@ async def serve(cfg: ServeConfig, args: argparse.Namespace, token: str | None) -
         tasks = await engine.get_supported_tasks()
         app = api.build_app(args, tasks, engine.model_config)
         await api.init_app_state(engine, app.state, args, tasks)
-        capp = build_control_app(control, token, metrics, cfg.weight_transfer)
+        capp = build_control_app(
+            control, token, metrics, cfg.weight_transfer, allowed_control_hosts(cfg)
+        )
         # The OpenAI port: vLLM's app with codraft's /metrics, /ready and, without a control
         # port, the control routes (and the weight-sync ones); the version headers around it.
         install_metrics(app, metrics)
@@ -270,22 +377,21 @@ async def serve(cfg: ServeConfig, args: argparse.Namespace, token: str | None) -
         here = {"/ready"} | (routes if csock is None else set())
         add_outer_middleware(app, Dispatch, side=capp, paths=frozenset(here))
         add_outer_middleware(app, VersionHeaders, control=control)
-        add_outer_middleware(app, SeedGuard, enabled=seeded_requests_crash())
         add_outer_middleware(app, PolicyGate, control=control, exempt=CONTROL_PATHS | SYNC_PATHS)
+        secure_openai_app(
+            app, args, seed_guard=seeded_requests_crash(), control_paths=frozenset(here)
+        )
 
         if csock is not None:
-            config = uvicorn.Config(
-                capp,
-                log_level=args.uvicorn_log_level,
-                access_log=not args.disable_uvicorn_access_log,
-                lifespan="off",
-            )
+            config = control_server_config(capp, cfg, args, envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
             control_server = api.NoSignalServer(config)
             control_task = asyncio.get_running_loop().create_task(
                 control_server.serve(sockets=[csock])
             )
         control.start()
-        where = f"control on {_url(cfg.effective_control_host, csock)}" if csock else "control here"
+        tls = bool(ssl_settings(args))
+        chost = cfg.effective_control_host
+        where = f"control on {_url(chost, csock, tls)}" if csock else "control here"
         print(f"codraft serve: OpenAI API on {listen_address} ({where})", flush=True)
         serving = asyncio.get_running_loop().create_task(
             api.serve_http(
@@ -304,6 +410,7 @@ async def serve(cfg: ServeConfig, args: argparse.Namespace, token: str | None) -
                 ssl_ciphers=args.ssl_ciphers,
                 h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
                 h11_max_header_count=args.h11_max_header_count,
+                **openai_server_limits(cfg, args),
             )
         )
         await asyncio.sleep(0)  # serve_http installs its SIGINT/SIGTERM handlers, then waits
@@ -334,9 +441,9 @@ def _mark_draining_on_sigterm(control: EngineControl) -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_term)
 
 
-def _url(host: str, sock: Any) -> str:
-    port = sock.getsockname()[1]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def _url(host: str, sock: Any, tls: bool = False) -> str:
+    port, scheme = sock.getsockname()[1], "https" if tls else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def main(cfg: ServeConfig) -> int:
@@ -346,6 +453,7 @@ def main(cfg: ServeConfig) -> int:
     apply_cpu_defaults()
     os.environ.setdefault("CODRAFT_ENABLE", "1")  # codraft.server.plugin checks the vLLM version
     try:
+        check_dev_mode(os.environ)
         token = cfg.resolve_token()
         cfg.check_exposure(token)
         if token is None:

@@ -15,6 +15,7 @@ and output.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import json
@@ -235,8 +236,18 @@ def build_app(engine: StubEngine, token: str | None) -> FastAPI:
     from codraft.server.metrics import MetricsEndpoint
     from codraft.server.serve import VersionHeaders
 
-    app = FastAPI()
-    control = EngineControl(engine, ControlSettings(rpc_timeout_s=5, probe_timeout_s=5))
+    control = EngineControl(
+        engine,
+        ControlSettings(rpc_timeout_s=5, probe_timeout_s=5, refresh_s=0.02, stats_refresh_s=None),
+    )
+
+    @contextlib.asynccontextmanager
+    async def refreshing(app: FastAPI):  # /ready reads what the refresher caches, as served
+        control.start()
+        yield
+        await control.stop()
+
+    app = FastAPI(lifespan=refreshing)
     install_control(app, control, token)
     metrics = MetricsEndpoint(control)
 
@@ -462,6 +473,7 @@ def test_get_retries_on_5xx_post_never(server, engine):
         assert transport.sent == ["POST /v1/draft", "PUT /v1/tap"]
         engine.fail.clear()
         engine.current = None  # /ready 503 is an answer, not a failure: no retry
+        time.sleep(0.3)  # the refresher (every 20 ms) has seen it
         assert c.ready().ready is False and transport.sent[-1] == "GET /ready"
         assert transport.sent.count("GET /ready") == 1
 

@@ -57,6 +57,7 @@ PROMPTS = [
     "Mars is known as",
 ]
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+JSON_AUTH = {**AUTH, "Content-Type": "application/json"}  # control bodies must say JSON
 API_KEY = "openai-key-0123456789abcdef"
 CONTROL_ROUTES = [
     ("GET", "/v1/draft", None),
@@ -219,7 +220,7 @@ def test_bad_requests_are_4xx_and_never_crash(server: ServeProcess) -> None:
         (b'{"version": 1, "path": "' + b"a" * 20000 + b'"}', 413),
     ]
     for body, status in cases:
-        r = httpx.post(url, content=body, headers=AUTH, timeout=30)
+        r = httpx.post(url, content=body, headers=JSON_AUTH, timeout=30)
         assert r.status_code == status, (body[:60], r.text)
         assert isinstance(r.json()["detail"], str) and r.json()["detail"]
 
@@ -227,7 +228,7 @@ def test_bad_requests_are_4xx_and_never_crash(server: ServeProcess) -> None:
         for _ in range(40):
             yield b" " * 1024
 
-    r = httpx.post(url, content=chunks(), headers=AUTH, timeout=30)
+    r = httpx.post(url, content=chunks(), headers=JSON_AUTH, timeout=30)
     assert r.status_code == 413, r.text
     tap = f"{server.control_url}/v1/tap"
     for body in ({"sample_rate": 2.0}, {"mode": "everything"}, {"endpoint": "http://x"}):
@@ -810,7 +811,7 @@ def test_weight_sync_routes_need_the_token_and_say_what_cannot_run_here(
     r = _sync(server, "/update_weights", {"update_info": {"names": []}, "extra": 1})
     assert r.status_code == 422, r.text
     r = httpx.post(
-        f"{server.control_url}/init_weight_transfer_engine", headers=AUTH,
+        f"{server.control_url}/init_weight_transfer_engine", headers=JSON_AUTH,
         content=b'{"init_info": {"x": "' + b"a" * (65 << 10) + b'"}}',
     )  # fmt: skip
     assert r.status_code == 413, r.text
@@ -1218,8 +1219,11 @@ def test_engine_replies_map_to_http_statuses() -> None:
         engine.replies["codraft_swap_draft"] = "hang"
         r = c.post("/v1/draft", json={"version": 4, "path": "/p"}, headers=AUTH)
         assert r.status_code == 504, r.text
+        assert c.get("/ready").status_code == 200  # the cached state: no RPC
         engine.replies["codraft_info"] = {"ok": True, "draft": {"version": None}}
-        assert c.get("/ready").status_code == 503
+        c.get("/v1/draft", headers=AUTH)  # (what the refresher does) caches that reply
+        r = c.get("/ready")
+        assert r.status_code == 503 and r.json()["detail"] == "no draft loaded"
         assert c.get("/health").status_code == 200
 
 
@@ -1453,8 +1457,9 @@ def test_recorder_validates_counts_rejects_and_stops(tmp_path: Path) -> None:
 
 
 def test_seed_guard_refuses_seeds_and_passes_the_rest() -> None:
-    """SeedGuard on a plain ASGI app: seeded completions get 400 before the app sees them;
-    unseeded, null-seeded, malformed and other routes pass through with their bodies intact."""
+    """SeedGuard on a plain ASGI app: seeded requests to any route get 400 before the app sees
+    them; unseeded, null-seeded and malformed ones pass through with their bodies intact
+    (every route: tests/test_http_security.py)."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse
@@ -1481,6 +1486,7 @@ def test_seed_guard_refuses_seeds_and_passes_the_rest() -> None:
                 ("/v1/completions", b'{"prompt": "x"}'),
                 ("/v1/completions", b"{not json"),
                 ("/v1/embeddings", b'{"input": "x", "seed": 3}'),
+                ("/v1/embeddings", b'{"input": "x"}'),
             ):
                 r = await c.post(path, content=body)
                 out.append((r.status_code, r.json()))
@@ -1490,10 +1496,10 @@ def test_seed_guard_refuses_seeds_and_passes_the_rest() -> None:
 
     results = asyncio.run(go())
     assert results[0][0] == 400 and "seed" in results[0][1]["error"]["message"]
-    assert [code for code, _ in results[1:]] == [200, 200, 200, 200]
+    assert [code for code, _ in results[1:]] == [200, 200, 200, 400, 200]
     assert seen == [
         b'{"prompt": "x", "seed": null}',
         b'{"prompt": "x"}',
         b"{not json",
-        b'{"input": "x", "seed": 3}',
+        b'{"input": "x"}',
     ]

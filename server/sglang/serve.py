@@ -189,43 +189,70 @@ def parse_sglang_args(argv: list[str]):
 
 
 def install_codraft(
-    app, endpoint: str, token: str | None, settings, control_sock: socket.socket | None = None
+    app,
+    endpoint: str,
+    token: str | None,
+    settings,
+    control_sock: socket.socket | None = None,
+    cfg: ServeConfig | None = None,
+    server_args=None,
 ) -> EngineControl:
     """Put /ready, /metrics, the version headers and (without `control_sock`) codraft's
     control routes in front of SGLang's app (`app`), talking to the engine in the scheduler
     over `endpoint`. With `control_sock` the control routes are served there, by a second
     server that app's lifespan runs in the same event loop (one EngineControl: one swap lock,
-    one version cache for both ports)."""
+    one version cache for both ports), with SGLang's --ssl-keyfile/--ssl-certfile and the
+    bounds of `cfg` (codraft.server.limits)."""
     from codraft.server.api import CONTROL_PATHS, EngineControl
     from codraft.server.metrics import MetricsEndpoint, sglang_registry
-    from codraft.server.serve import Dispatch, VersionHeaders, build_control_app
+    from codraft.server.serve import (
+        Dispatch,
+        VersionHeaders,
+        allowed_control_hosts,
+        build_control_app,
+    )
     from codraft.server.sglang.rpc import RpcClient
 
+    cfg = cfg or ServeConfig(engine="sglang", control_port=None if control_sock is None else 0)
     control = EngineControl(RpcClient(endpoint), settings)
-    capp = build_control_app(control, token, MetricsEndpoint(control, sglang_registry))
+    metrics = MetricsEndpoint(control, sglang_registry)
+    capp = build_control_app(control, token, metrics, allowed_hosts=allowed_control_hosts(cfg))
     here = {"/ready", "/metrics"} | (set(CONTROL_PATHS) if control_sock is None else set())
     app.add_middleware(Dispatch, side=capp, paths=frozenset(here))
     app.add_middleware(VersionHeaders, control=control)
     app.router.lifespan_context = _lifespan(
-        app.router.lifespan_context, control, capp, control_sock
+        app.router.lifespan_context, control, capp, control_sock, cfg, server_args
     )
     return control
 
 
-def _lifespan(original, control: EngineControl, capp, control_sock: socket.socket | None):
+def _control_args(server_args) -> argparse.Namespace:
+    """SGLang's TLS arguments in the names codraft.server.serve.control_server_config reads."""
+    names = ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "ssl_ciphers")
+    values = {n: getattr(server_args, n, None) for n in names}
+    return argparse.Namespace(**values, uvicorn_log_level="warning")
+
+
+def _lifespan(
+    original,
+    control: EngineControl,
+    capp,
+    control_sock: socket.socket | None,
+    cfg: ServeConfig,
+    server_args=None,
+):
     """SGLang's app's lifespan with codraft's around it: the cached versions' refresher (to see
     automatic rollbacks and policy updates through SGLang's own routes) and the control
     port's server run while the app does."""
-    import uvicorn
-
     from codraft.server.compat import no_signal_server
+    from codraft.server.serve import control_server_config
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         control.start()
         server = task = None
         if control_sock is not None:
-            config = uvicorn.Config(capp, lifespan="off", log_level="warning")
+            config = control_server_config(capp, cfg, _control_args(server_args))
             server = no_signal_server()(config)  # SGLang's server keeps the signals
             task = asyncio.get_running_loop().create_task(server.serve(sockets=[control_sock]))
         try:
@@ -272,9 +299,12 @@ def run(
         committed_file=str(record),
         draft_store=str(store) if store is not None else None,
     )
-    control = install_codraft(http_server.app, endpoint, token, settings, control_sock)
+    control = install_codraft(
+        http_server.app, endpoint, token, settings, control_sock, cfg, server_args
+    )
+    scheme = "https" if getattr(server_args, "ssl_certfile", None) else "http"
     where = (
-        f"control on http://{cfg.effective_control_host}:{control_sock.getsockname()[1]}"
+        f"control on {scheme}://{cfg.effective_control_host}:{control_sock.getsockname()[1]}"
         if control_sock is not None
         else "control here"
     )
