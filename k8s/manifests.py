@@ -19,6 +19,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 SERVER, LEARNER, CONTROL_SERVICE = "codraft-server", "codraft-learner", "codraft-server-control"
 LEARNER_METRICS_PORT = 9100  # local rank 0 of each learner pod serves /health and /metrics here
+OPENAI_CLIENT = {"codraft.io/openai-client": "true"}  # the pods the OpenAI port admits
 OLDEST_K8S = "1.30.0"  # the preStop `sleep` action is on by default from 1.30
 
 

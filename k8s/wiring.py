@@ -14,6 +14,7 @@ from manifests import (
     CONTROL_SERVICE,
     LEARNER,
     LEARNER_METRICS_PORT,
+    OPENAI_CLIENT,
     ROOT,
     SERVER,
     container,
@@ -62,9 +63,24 @@ def service_problems(objs: list[dict]) -> list[str]:
     return out
 
 
+def _loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host in ("::1", "[::1]")
+
+
 def probe_problems(objs: list[dict]) -> list[str]:
+    """Probes GET the routes that answer them, on ports bound where the kubelet reaches: the
+    pod's own address (its loopback is the pod's alone; tests/test_k8s_kubelet.py probes it
+    from outside)."""
     out = []
     srv = server_flags(objs)
+    _, learn = learner_flags(objs)
+    binds = {
+        "the server's --host": srv.get("host", "127.0.0.1"),
+        "the server's --control-host": srv.get("control-host", srv.get("host", "127.0.0.1")),
+        "the learner's --http-host": learn.get("http-host", "127.0.0.1"),
+    }
+    out += [f"{what}={host} is loopback: no probe reaches it" for what, host in binds.items()
+            if _loopback(host)]  # fmt: skip
     want = {
         (SERVER, "server"): {
             "startupProbe": "/health",
@@ -117,6 +133,18 @@ def _only_pods(peers: list[dict | None], labels: list[dict]) -> bool:
     )
 
 
+def _only_labelled(peers: list[dict | None], label: dict) -> bool:
+    """Every peer selects pods by `label` (in this namespace, or in namespaces with it)."""
+    return bool(peers) and all(
+        p is not None
+        and set(p) <= {"podSelector", "namespaceSelector"}
+        and selects(p["podSelector"], label)
+        and p["podSelector"].get("matchLabels") == label
+        and p.get("namespaceSelector", {"matchLabels": label}).get("matchLabels") == label
+        for p in peers
+    )
+
+
 def network_problems(objs: list[dict]) -> list[str]:
     server = pod_labels(find(objs, "Deployment", SERVER))
     learner = pod_labels(find(objs, "StatefulSet", LEARNER))
@@ -131,6 +159,11 @@ def network_problems(objs: list[dict]) -> list[str]:
     control = int(server_flags(objs)["control-port"])
     if not _only_pods(_peers(guarding["server"], control), [learner]):
         out.append(f"the server's control port {control} admits more than the learner pods")
+    openai = int(server_flags(objs)["port"])
+    if not _only_labelled(_peers(guarding["server"], openai), OPENAI_CLIENT):
+        out.append(
+            f"the server's OpenAI port {openai} admits more than pods labelled {OPENAI_CLIENT}"
+        )
     torchrun, learn = learner_flags(objs)
     port = _hostport(learn["tap"])[1]  # rank 0's, the one tap socket
     peers = _peers(guarding["learner"], port)
@@ -142,6 +175,18 @@ def network_problems(objs: list[dict]) -> list[str]:
     if not any(p and selects(p["podSelector"], learner) for p in _peers(guarding["learner"], rdzv)):
         out.append(f"learner pods cannot reach each other's rendezvous port {rdzv}")
     return out
+
+
+_UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "K": 10**3, "M": 10**6,
+          "G": 10**9, "T": 10**12}  # fmt: skip
+
+
+def _bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity ('4Gi', '512Mi', '1000000') in bytes."""
+    m = re.fullmatch(r"(\d+)([KMGT]i?)?", str(quantity))
+    if not m:
+        raise ValueError(f"memory quantity {quantity!r}: expected digits and a unit such as Gi")
+    return int(m.group(1)) * _UNITS.get(m.group(2) or "", 1)
 
 
 def learner_problems(objs: list[dict]) -> list[str]:
@@ -186,6 +231,14 @@ def learner_problems(objs: list[dict]) -> list[str]:
         )
     if port_number(c, tap_port) is None or tap_port not in svc_ports:
         out.append(f"tap port {tap_port} is missing from the learner's ports or {name_of(svc)}")
+
+    limit = _bytes(c["resources"].get("limits", {}).get("memory", "0"))
+    buffered = int(learn.get("buffer-max-bytes", 2 << 30))
+    if not limit or buffered > limit // 4:
+        out.append(
+            f"the learner buffers up to {buffered} bytes (--buffer-max-bytes) but its memory "
+            f"limit is {c['resources'].get('limits', {}).get('memory')}: keep it under a quarter"
+        )
 
     srv_c = container(find(objs, "Deployment", SERVER), "server")
     if learn["server"] != f"http://{CONTROL_SERVICE}:{server_flags(objs)['control-port']}":
@@ -245,9 +298,20 @@ def volume_problems(objs: list[dict]) -> list[str]:
                 f"the server does not mount claim {claim} read-only at {hit[0]['mountPath']}, "
                 "where the learner's drafts are"
             )
+    # The committed-draft record and the server's draft copies must outlive the pod.
     work = mount_for(pod_spec(server), server_c, srv.get("work-dir", ""))
-    if not work or work[0].get("readOnly") or "emptyDir" not in work[1]:
-        out.append(f"the server's --work-dir={srv.get('work-dir')} is not a writable emptyDir")
+    work_claim = work and work[1].get("persistentVolumeClaim", {}).get("claimName")
+    if not work_claim or work[0].get("readOnly") or work_claim == claim:
+        out.append(
+            f"the server's --work-dir={srv.get('work-dir')} is not on a writable volume claim "
+            "of its own (the committed-draft record would not outlive the pod)"
+        )
+    root = srv.get("checkpoint-root")
+    if not root or not hit or PurePosixPath(root) != PurePosixPath(hit[0]["mountPath"]):
+        out.append(
+            f"the server's --checkpoint-root={root} does not confine loads to the checkpoint "
+            f"volume{' at ' + hit[0]['mountPath'] if hit else ''}"
+        )
 
     if srv["model"] != learn["target"]:
         out.append(f"server --model={srv['model']} but learner --target={learn['target']}")
@@ -296,9 +360,20 @@ def image_wiring_problems(objs: list[dict]) -> list[str]:
     return out
 
 
+def secret_problems(objs: list[dict]) -> list[str]:
+    """The OpenAI port's API key comes from a Secret, never from the manifests' text."""
+    c = container(find(objs, "Deployment", SERVER), "server")
+    if any(a.startswith("--api-key") for a in c.get("args", [])):
+        return ["the server's --api-key is on its command line: read it from a Secret"]
+    env = {e["name"]: e for e in c.get("env", [])}
+    ref = (env.get("VLLM_API_KEY", {}).get("valueFrom") or {}).get("secretKeyRef")
+    return [] if ref else ["the server's VLLM_API_KEY does not come from a Secret"]
+
+
 def wiring_problems(objs: list[dict]) -> list[str]:
     return (
         service_problems(objs)
+        + secret_problems(objs)
         + probe_problems(objs)
         + network_problems(objs)
         + learner_problems(objs)

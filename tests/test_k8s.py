@@ -234,6 +234,10 @@ def _mount(c, name):
     return next(m for m in c["volumeMounts"] if m["name"] == name)
 
 
+def _learner(objs):
+    return find(objs, "StatefulSet", "codraft-learner")["spec"]["template"]["spec"]["containers"][0]
+
+
 def _learner_np(objs):
     return find(objs, "NetworkPolicy", "codraft-learner")["spec"]["ingress"]
 
@@ -284,7 +288,7 @@ WIRING_BREAKS = {
     ),
     "work dir on the root filesystem": (
         lambda o: _server(o)["args"].append("--work-dir=/home/codraft/serve"),
-        "is not a writable emptyDir",
+        "is not on a writable volume claim of its own",
     ),
     "token file moved": (
         lambda o: _server(o)["args"].append("--control-token-file=/etc/codraft/token"),
@@ -301,6 +305,42 @@ WIRING_BREAKS = {
     "old image": (
         lambda o: _server(o).update(image="codraft-server:0.0.1"),
         "is not codraft",
+    ),
+    "learner health on loopback": (
+        lambda o: _learner(o).update(
+            args=[a for a in _learner(o)["args"] if not a.startswith("--http-host")]
+        ),
+        "the learner's --http-host=127.0.0.1 is loopback",
+    ),
+    "OpenAI port open": (
+        lambda o: find(o, "NetworkPolicy", "codraft-server")["spec"]["ingress"][0].pop("from"),
+        "OpenAI port 8000 admits more than pods labelled",
+    ),
+    "OpenAI port from any namespace": (
+        lambda o: find(o, "NetworkPolicy", "codraft-server")["spec"]["ingress"][0]["from"][
+            1
+        ].update(namespaceSelector={}),
+        "OpenAI port 8000 admits more than pods labelled",
+    ),
+    "API key on the command line": (
+        lambda o: _server(o)["args"].append("--api-key=not-a-secret"),
+        "--api-key is on its command line",
+    ),
+    "API key in the manifest": (
+        lambda o: next(e for e in _server(o)["env"] if e["name"] == "VLLM_API_KEY").update(
+            value="not-a-secret", valueFrom=None
+        ),
+        "VLLM_API_KEY does not come from a Secret",
+    ),
+    "loads not confined": (
+        lambda o: _server(o).update(
+            args=[a for a in _server(o)["args"] if not a.startswith("--checkpoint-root")]
+        ),
+        "does not confine loads to the checkpoint volume",
+    ),
+    "buffer over the memory limit": (
+        lambda o: _config(o).update(CODRAFT_LEARNER_BUFFER_BYTES=str(200 << 30)),
+        "--buffer-max-bytes) but its memory limit is 512Gi",
     ),
     "rendezvous elsewhere": (
         lambda o: _config(o).update(
@@ -354,7 +394,7 @@ def test_torchrun_accepts_the_learner_launch(overlay):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 @pytest.mark.parametrize("role", ["serve", "learn"])
-def test_codraft_accepts_the_commands(overlay, role):
+def test_codraft_accepts_the_commands(overlay, role, tmp_path):
     commands = _codraft_subcommands()
     # The online learner (--server, --tap: issue 5) is still being written; today's `learn` is
     # the offline trainer. Once a parser takes the flag the manifests rely on, this test parses
@@ -374,10 +414,15 @@ def test_codraft_accepts_the_commands(overlay, role):
         assert program[0] == "learn"
         program = program[1:]
     ns = commands[role].parse_args(program)  # argparse exits (fails the test) on an unknown flag
-    if role == "serve":  # the values too: ports, tap mode, endpoints
+    if role == "serve":  # the values too: ports, tap mode, endpoints, tap keys
         from codraft.server.engine_config import check_endpoint
         from codraft.server.serve_config import config_from_args
+        from codraft.tap.auth import create_keys
 
+        # the key files are a Secret's, mounted in the pod: stand-ins made here
+        assert ns.tap_key and ns.tap_learner_key, "the server's tap is not authenticated"
+        ns.tap_key = str(create_keys(tmp_path, "server")[1])
+        ns.tap_learner_key = str(create_keys(tmp_path, "learner")[0])
         config_from_args(ns)
         for endpoint in ns.tap_endpoint.split(","):
             check_endpoint(endpoint)

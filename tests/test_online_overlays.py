@@ -97,6 +97,9 @@ def _agents(overlay: str, server: dict, out: Path) -> list[list[str]]:
     launcher = _set(launcher, "rdzv-endpoint", f"127.0.0.1:{rendezvous_port()}")
     token_file = out.parent / f"{out.name}-token"
     token_file.write_text(TOKEN)
+    # the tap stays on loopback here, where its keys are optional: the keyed tap between pods
+    # is tests/test_k8s_kubelet.py's
+    program = [a for a in program if not a.startswith(("--tap-key=", "--tap-allowed-keys="))]
     for name, value in (
         ("server", f"http://127.0.0.1:{server['cport']}"),
         ("control-token-file", str(token_file)),
@@ -112,7 +115,17 @@ def _agents(overlay: str, server: dict, out: Path) -> list[list[str]]:
 
 
 # what names the cluster, rewritten for this machine (the rest of the command is kept)
-LOCAL = ("rdzv-endpoint", "server", "control-token-file", "tap", "target", "out")
+LOCAL = (
+    "rdzv-endpoint",
+    "server",
+    "control-token-file",
+    "tap",
+    "target",
+    "out",
+    "tap-key",
+    "tap-allowed-keys",
+    "buffer-max-bytes",
+)
 
 
 def signature(overlay: str) -> tuple:
