@@ -497,15 +497,26 @@ class ServeProcess:
     """`codraft serve` in a child process on 127.0.0.1 (tests, benchmarks, demos).
 
     `start` picks free ports, `wait_ready` polls /ready until the engine serves with a draft,
-    `stop` sends SIGTERM (then SIGKILL after `timeout`)."""
+    `stop` sends SIGTERM (then SIGKILL after `timeout`). With `tls_ca` (the CA file that signed
+    the --ssl-certfile in `argv`) both ports are reached over https, trusting that CA."""
 
-    def __init__(self, argv: list[str], log_path: Path, *, control: bool, env: dict | None):
+    def __init__(
+        self,
+        argv: list[str],
+        log_path: Path,
+        *,
+        control: bool,
+        env: dict | None,
+        tls_ca: str | None = None,
+    ):
         import subprocess
 
         from codraft.server.vllm_env import preload_env
 
         self.port = free_port()
         self.control_port = free_port() if control else None
+        self.tls_ca = tls_ca
+        self.scheme = "https" if tls_ca else "http"
         ports = ["--port", str(self.port)]
         if self.control_port is not None:
             ports += ["--control-port", str(self.control_port)]
@@ -520,18 +531,31 @@ class ServeProcess:
 
     @classmethod
     def start(
-        cls, argv: list[str], log_path: Path, *, control: bool = True, env: dict | None = None
+        cls,
+        argv: list[str],
+        log_path: Path,
+        *,
+        control: bool = True,
+        env: dict | None = None,
+        tls_ca: str | None = None,
     ) -> ServeProcess:
-        return cls(argv, log_path, control=control, env=env)
+        return cls(argv, log_path, control=control, env=env, tls_ca=tls_ca)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     @property
     def control_url(self) -> str:
         port = self.control_port if self.control_port is not None else self.port
-        return f"http://127.0.0.1:{port}"
+        return f"{self.scheme}://127.0.0.1:{port}"
+
+    @property
+    def verify(self) -> Any:
+        """What httpx's `verify` takes to trust this server (True without TLS)."""
+        import ssl
+
+        return ssl.create_default_context(cafile=self.tls_ca) if self.tls_ca else True
 
     def log_tail(self, chars: int = 6000) -> str:
         if not self._log.closed:
@@ -548,7 +572,8 @@ class ServeProcess:
                     f"codraft serve exited with {self.proc.returncode}; log:\n{self.log_tail()}"
                 )
             try:
-                if httpx.get(f"{self.control_url}/ready", timeout=2.0).status_code == 200:
+                ready = httpx.get(f"{self.control_url}/ready", timeout=2.0, verify=self.verify)
+                if ready.status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
