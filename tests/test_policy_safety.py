@@ -23,6 +23,7 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_sglang_engine import setup  # noqa: F401 (the SGLang engine on stand-ins)
 
 from codraft.draft.init import write_new_draft
 from codraft.server.committed import record_path
@@ -301,3 +302,29 @@ def test_a_swap_whose_record_cannot_be_written_fails_and_is_rolled_back(
     r = _swap(server, draft, 6)
     assert r.status_code == 200, r.text
     assert json.loads(record.read_text())["version"] == 6
+
+
+# ------------------------------------------------------------------------------ SGLang
+def test_sglang_a_load_that_sglang_cannot_undo_marks_the_engine_until_a_good_load(
+    request: pytest.FixtureRequest, tiny_llama_dir: Path, work: Path
+) -> None:
+    """The SGLang engine on stand-ins (test_sglang_engine.py): SGLang's reload from disk puts
+    the weights it started with back after a failed load; when that raises too, every reply
+    says the weights are undefined until a policy loads."""
+    e = request.getfixturevalue("setup").engine
+    folder = _two_shards(tiny_llama_dir, work / "sglang-policy")
+    updater = e.target_runner.weight_updater
+    good = updater.update_weights_from_disk
+
+    def fails(path: str, fmt: str) -> tuple[bool, str]:
+        raise RuntimeError("restoring the original weights failed: disk gone")
+
+    updater.update_weights_from_disk = fails
+    reply = e.handle("codraft_load_policy", {"path": str(folder), "version": 1})
+    assert reply["status"] == 500 and "undefined" in reply["error"], reply
+    assert reply["policy_broken"] and "POST /v1/policy" in reply["policy_broken"]
+    assert e.handle("codraft_info", {})["policy_broken"] == reply["policy_broken"]
+    updater.update_weights_from_disk = good
+    reply = e.handle("codraft_load_policy", {"path": str(folder), "version": 1})
+    assert reply["ok"] and reply["policy_broken"] is None, reply
+    assert e.handle("codraft_stats", {})["policy_broken"] is None
