@@ -354,6 +354,27 @@ def test_every_pod_becomes_ready_and_drafts_reach_the_server(tiny_llama_dir: Pat
             for run, c in ((learner, lc), (server, sc)):  # still ready after the swap
                 ok, last = kubelet_probe(run.pod, c, "readinessProbe")
                 assert ok, last
+            # a stranger without the API key gets nothing from the OpenAI port
+            openai = f"http://{sp.ip}:{probe_port(sc, 'http')}"
+            body = {"model": "x", "prompt": "hi", "max_tokens": 1}
+            assert httpx.post(f"{openai}/v1/completions", json=body).status_code == 401
+
+            # the pod is rescheduled (its emptyDirs are new, its claims the same): it comes
+            # back serving the draft it acknowledged, not the untrained v0
+            learner.stop()
+            served = httpx.get(f"{control}/v1/draft", headers=headers, timeout=10).json()
+            server.stop()
+            moved = Pod("codraft-server-1", sp.ip, sp.netns, sp.hosts)
+            server, sc = start_pod(
+                objs, "Deployment", "codraft-server", moved, tmp_path, secret, SERVER_EXTRA
+            )
+            wait_probe(server, sc, "startupProbe", STARTUP_S, [])
+            wait_probe(server, sc, "readinessProbe", 30, [])
+            again = httpx.get(f"{control}/v1/draft", headers=headers, timeout=10).json()
+            assert (again["version"], again["sha256"]) == (served["version"], served["sha256"]), (
+                served,
+                again,
+            )
         finally:
             for r in [client, learner, server]:
                 if r is not None:
