@@ -62,7 +62,9 @@ class WeightSyncClient:
 
     def _post(self, path: str, json: Any = None, **params: Any) -> dict[str, Any]:
         params = {k: v for k, v in params.items() if v is not None}
-        r = self._http.post(path, json=json, params=params)
+        # every control POST says JSON, bodyless ones too: the server refuses others (415)
+        headers = {"Content-Type": "application/json"}
+        r = self._http.post(path, json=json, params=params, headers=headers)
         if r.status_code >= 400:
             raise http_error("POST", str(r.url), r.status_code, detail(r))
         return r.json() if r.content else {}
