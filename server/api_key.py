@@ -23,7 +23,6 @@ error format with a `WWW-Authenticate: Bearer` challenge, and never echoes what 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -31,6 +30,7 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from codraft.server.auth import key_digest, token_matches
+from codraft.server.refusal import openai_refusal
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 API_KEY_ENV = "VLLM_API_KEY"
@@ -52,11 +52,6 @@ def api_keys(args: Any, environ: dict[str, str] | None = None) -> list[str]:
         given = [given]
     env = os.environ if environ is None else environ
     return [k for k in (given or [env.get(API_KEY_ENV)]) if k]
-
-
-def _refusal(detail: str) -> bytes:
-    error = {"message": detail, "type": "AuthenticationError", "param": None, "code": 401}
-    return json.dumps({"error": error}).encode()
 
 
 class ApiKeyGuard:
@@ -97,16 +92,8 @@ class ApiKeyGuard:
             await send({"type": "websocket.close", "code": 1008})
             return
         challenge = 'Bearer realm="openai"' + ("" if header is None else ', error="invalid_token"')
-        body = _refusal(MISSING if header is None else WRONG)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", challenge.encode()),
-                ],
-            }
+        detail = MISSING if header is None else WRONG
+        refusal = openai_refusal(
+            detail, 401, "AuthenticationError", headers={"WWW-Authenticate": challenge}
         )
-        await send({"type": "http.response.body", "body": body})
+        await refusal(scope, receive, send)

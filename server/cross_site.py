@@ -26,11 +26,12 @@ Refusals are `{"detail": ...}` as every control error; nothing past this layer r
 from __future__ import annotations
 
 import ipaddress
-import json
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from codraft.server.refusal import control_refusal
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -150,15 +151,4 @@ class CrossSiteGuard:
             await self.app(scope, receive, send)
             return
         status, message = refused
-        body = json.dumps({"detail": message}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await control_refusal(message, status)(scope, receive, send)

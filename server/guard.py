@@ -33,7 +33,10 @@ from collections.abc import Iterable
 from typing import Any
 from urllib.parse import parse_qs
 
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from codraft.server.refusal import openai_refusal
 
 MAX_INSPECT_BYTES = 16 << 20
 WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
@@ -58,26 +61,11 @@ def seeded_requests_crash() -> bool:
     return bool(current_platform.is_cpu())
 
 
-def _openai_error(message: str, status: int = 400, param: str | None = "seed") -> bytes:
+def _refuse(message: str, status: int, param: str | None) -> JSONResponse:
+    """OpenAI's error body; the connection closes (a body left unread must not be parsed as
+    the next request)."""
     kind = "BadRequestError" if status == 400 else "RequestTooLargeError"
-    return json.dumps(
-        {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    ).encode()
-
-
-async def _answer(send: Send, status: int, body: bytes) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close"),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    return openai_refusal(message, status, kind, param, headers={"Connection": "close"})
 
 
 class SeedGuard:
@@ -108,9 +96,9 @@ class SeedGuard:
             return
         headers = {k.lower(): v for k, v in scope.get("headers") or []}
         declared = headers.get(b"content-length", b"")
-        too_large = _openai_error(TOO_LARGE.format(limit=self.max_bytes), 413, None)
+        too_large = _refuse(TOO_LARGE.format(limit=self.max_bytes), 413, None)
         if declared.isdigit() and int(declared) > self.max_bytes:
-            await _answer(send, 413, too_large)
+            await too_large(scope, receive, send)
             return
         messages: list[Message] = []
         size, more = 0, True
@@ -122,11 +110,11 @@ class SeedGuard:
             size += len(message.get("body", b""))
             more = message.get("more_body", False)
             if size > self.max_bytes:
-                await _answer(send, 413, too_large)
+                await too_large(scope, receive, send)
                 return
         body = b"".join(m.get("body", b"") for m in messages)
         if _has_seed(body, headers.get(b"content-type", b"")):
-            await _answer(send, 400, _openai_error(SEED_MESSAGE))
+            await _refuse(SEED_MESSAGE, 400, "seed")(scope, receive, send)
             return
 
         async def replay() -> Message:

@@ -18,11 +18,12 @@ refused, at the edge.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from codraft.server.refusal import openai_refusal
 
 # vLLM's routes that generate nothing and that a trainer or operator needs to mend the weights
 ADMIN_PATHS = frozenset(
@@ -32,20 +33,6 @@ ADMIN_PATHS = frozenset(
         "/reset_mm_cache", "/reset_encoder_cache",
     }
 )  # fmt: skip
-
-
-def openai_error(message: str, status: int = 503) -> bytes:
-    """OpenAI's error body (what vLLM's own errors look like)."""
-    return json.dumps(
-        {
-            "error": {
-                "message": message,
-                "type": "ServiceUnavailableError",
-                "param": None,
-                "code": status,
-            }
-        }
-    ).encode()
 
 
 class PolicyGate:
@@ -81,16 +68,7 @@ class PolicyGate:
             await receive()  # websocket.connect
             await send({"type": "websocket.close", "code": 1013, "reason": message[:120]})
             return
-        body = openai_error(message)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 503,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"retry-after", b"30"),
-                ],
-            }
+        refusal = openai_refusal(
+            message, 503, "ServiceUnavailableError", headers={"Retry-After": "30"}
         )
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        await refusal(scope, receive, send)
