@@ -29,6 +29,7 @@ from codraft.client.models import (
     Health,
     PolicyInfo,
     Ready,
+    Stats,
     TapInfo,
     TapStats,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "PolicyInfo",
     "Ready",
     "RetryPolicy",
+    "Stats",
     "TapInfo",
     "TapStats",
     "Unauthorized",

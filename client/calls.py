@@ -24,6 +24,7 @@ from codraft.client.models import (
     PolicyInfo,
     PolicyLoad,
     Ready,
+    Stats,
     TapInfo,
     TapUpdate,
 )
@@ -90,6 +91,10 @@ def set_tap(
 ) -> Call[TapInfo]:
     body = _body(TapUpdate, enabled=enabled, mode=mode, sample_rate=sample_rate, endpoint=endpoint)
     return Call("PUT", "/v1/tap", _model(TapInfo), json=body)
+
+
+def stats() -> Call[Stats]:
+    return Call("GET", "/v1/stats", _model(Stats))
 
 
 def health() -> Call[Health]:

@@ -32,7 +32,15 @@ import httpx
 from codraft.client import calls
 from codraft.client.calls import Call
 from codraft.client.errors import CodraftConnectionError, CodraftHTTPError, NotFound, NotReady
-from codraft.client.models import DraftInfo, DraftStaged, Health, PolicyInfo, Ready, TapInfo
+from codraft.client.models import (
+    DraftInfo,
+    DraftStaged,
+    Health,
+    PolicyInfo,
+    Ready,
+    Stats,
+    TapInfo,
+)
 from codraft.client.retry import NO_RETRY, RetryPolicy
 from codraft.client.settings import resolve_base_url, resolve_token
 
@@ -249,6 +257,11 @@ class CodraftClient(_Config):
         """PUT /v1/tap; None leaves a setting as it is."""
         return self._run(calls.set_tap(enabled, mode, sample_rate, endpoint))
 
+    def stats(self) -> Stats:
+        """GET /v1/stats: the engine's counters now (acceptance by draft version, swaps, tap);
+        read these, not metrics(), to measure what a batch of requests did."""
+        return self._run(calls.stats())
+
     def health(self) -> Health:
         """GET /health (no token needed); `.ok` False when the engine is dead."""
         return self._run(calls.health())
@@ -365,6 +378,9 @@ class AsyncCodraftClient(_Config):
         endpoint: str | None = None,
     ) -> TapInfo:
         return await self._run(calls.set_tap(enabled, mode, sample_rate, endpoint))
+
+    async def stats(self) -> Stats:
+        return await self._run(calls.stats())
 
     async def health(self) -> Health:
         return await self._run(calls.health())

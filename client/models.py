@@ -104,6 +104,27 @@ class TapInfo(_Reply):
     stats: TapStats | None = None
 
 
+class Stats(_Reply):
+    """GET /v1/stats: the engine's counters at the moment of the request (GET /metrics serves
+    the same ones from a cache refreshed every few seconds)."""
+
+    acceptance: dict[int, Acceptance] = Field(default_factory=dict)  # by draft version
+    draft_version: int | None = None
+    policy_version: int | None = None
+    swaps: int | None = None
+    rollbacks: int | None = None
+    auto_rollbacks: int | None = None
+    tap: dict | None = None
+
+    def acceptance_lengths(self) -> dict[int, float]:
+        """Mean tokens emitted per verification, by draft version (those verified at all)."""
+        return {
+            v: a.acceptance_length
+            for v, a in sorted(self.acceptance.items())
+            if a.drafts and a.acceptance_length is not None
+        }
+
+
 class Health(_Reply):
     """GET /health: `status` "ok" while the engine is alive, "dead" (HTTP 503) otherwise."""
 

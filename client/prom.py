@@ -50,13 +50,3 @@ def _parse_lines(text: str) -> dict[str, float]:
             continue
         out[sample_key(name, dict(_LABEL.findall(labels)))] = number
     return out
-
-
-def acceptance_by_version(metrics: dict[str, float]) -> dict[int, float]:
-    """The server's acceptance length per draft version, from parsed `metrics()`."""
-    prefix = 'codraft_draft_acceptance_length{version="'
-    return {
-        int(key[len(prefix) :].split('"')[0]): value
-        for key, value in metrics.items()
-        if key.startswith(prefix)
-    }

@@ -33,7 +33,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from codraft.client import CodraftClient, CodraftError
-from codraft.client.prom import acceptance_by_version
 from codraft.drafters import SERVED_DRAFTERS
 from codraft.prepare import prepare_smollm2
 from codraft.prompts import reasoning_prompts
@@ -58,7 +57,7 @@ def _stop(proc: subprocess.Popen | None) -> None:
 
 
 def _acceptance(client: CodraftClient) -> dict[int, float]:
-    return acceptance_by_version(client.metrics())
+    return client.stats().acceptance_lengths()
 
 
 def _rollbacks(draft) -> list[dict]:

@@ -56,6 +56,7 @@ CONTROL_PATHS = frozenset(
         "/v1/draft/digest",
         "/v1/policy",
         "/v1/tap",
+        "/v1/stats",
     }
 )
 
@@ -188,6 +189,21 @@ class PolicyReply(_Reply):
 class TapReply(_Reply):
     enabled: bool | None = None
     mode: str | None = None
+
+
+class VersionCounts(BaseModel):
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    acceptance_length: float
+
+
+class StatsReply(_Reply):
+    """The engine's counters as of this request (/metrics serves them from a cache)."""
+
+    acceptance: dict[str, VersionCounts]
+    draft_version: int | None = None
+    policy_version: int | None = None
 
 
 _STATUS_TEXT = {
@@ -451,9 +467,10 @@ class EngineControl:
             await self._record(reply, epoch)  # an automatic rollback, or the draft at start
         return reply
 
-    async def refresh_stats(self) -> None:
+    async def refresh_stats(self) -> dict:
         """Re-read the engine's counters into `last_stats` (what /metrics serves)."""
         self.last_stats = await self.rpc("codraft_stats", timeout=self.settings.probe_timeout_s)
+        return self.last_stats
 
     def stale_info(self) -> str | None:
         """Why the cached codraft_info cannot vouch for the engine (none yet, or none for
@@ -748,6 +765,12 @@ def control_router(control: EngineControl, auth: Callable[..., Awaitable[None]])
             control.info(), control.rpc("codraft_stats", timeout=control.settings.probe_timeout_s)
         )
         return {**(info.get("tap") or {}), "stats": stats.get("tap") or {}}
+
+    @r.get("/v1/stats", **_documented(StatsReply))
+    async def get_stats() -> dict:
+        """The engine's counters now (acceptance per draft version, tap, swaps): what a caller
+        measuring a delta reads, since /metrics may be up to a refresh period old."""
+        return await control.refresh_stats()
 
     @r.put("/v1/tap", **_documented(TapReply, body=TapUpdateRequest))
     async def put_tap(request: Request) -> dict:

@@ -393,6 +393,8 @@ def test_every_route_with_typed_answers(server: ThreadServer, engine: StubEngine
         tap = c.tap()
         assert tap.stats.messages_sent == 7 and tap.endpoint == "tcp://127.0.0.1:5557"
 
+        st = c.stats()  # the counters now, straight from the engine
+        assert st.acceptance[0].accepted_tokens == 12 and st.acceptance_lengths() == {0: 2.2}
         m = c.metrics()
         assert m["codraft_draft_version"] == 0 and m["codraft_policy_version"] == 3
         assert m['codraft_draft_info{kind="eagle3"}'] == 1
@@ -521,7 +523,7 @@ def test_async_client_matches_the_sync_one(server, engine, tmp_path):
         with CodraftClient(server.url, TOKEN, retry=FAST) as c:
             out: list[Any] = [c.wait_ready(5), c.health(), c.draft(), c.tap()]
             out += [c.load_draft(1, path, sha), c.rollback_draft(), c.load_policy(1, "/p")]
-            out += [c.set_tap(sample_rate=0.25), c.metrics()]
+            out += [c.set_tap(sample_rate=0.25), c.metrics(), c.stats()]
             for bad in (lambda: c.load_draft(0, path), lambda: c.rollback_draft()):
                 try:
                     bad()
@@ -534,7 +536,7 @@ def test_async_client_matches_the_sync_one(server, engine, tmp_path):
             out: list[Any] = [await c.wait_ready(5), await c.health(), await c.draft()]
             out += [await c.tap(), await c.load_draft(1, path, sha), await c.rollback_draft()]
             out += [await c.load_policy(1, "/p"), await c.set_tap(sample_rate=0.25)]
-            out += [await c.metrics()]
+            out += [await c.metrics(), await c.stats()]
             for bad in (c.load_draft(0, path), c.rollback_draft()):
                 try:
                     await bad
@@ -549,7 +551,7 @@ def test_async_client_matches_the_sync_one(server, engine, tmp_path):
     first = untimed(script_sync())
     engine.__init__()  # same starting state
     second = untimed(asyncio.run(script_async()))
-    assert first == second and len(first) == 11
+    assert first == second and len(first) == 12
     assert first[-2][:2] == (NotNewer, 409)
 
     async def retries() -> tuple[list[str], int]:

@@ -25,7 +25,6 @@ import pytest
 from live import stop
 
 from codraft.client import CodraftClient
-from codraft.client.prom import acceptance_by_version
 from codraft.server.offline import ArmSpec, run_arm_subprocess
 from codraft.server.serve import free_port
 
@@ -66,7 +65,7 @@ async def _round(base_url: str) -> list[tuple[str, int]]:
 
 
 def _acceptance(client: CodraftClient) -> dict[int, float]:
-    return acceptance_by_version(client.metrics())
+    return client.stats().acceptance_lengths()
 
 
 def _serve_args(target: Path, tmp_path: Path, port: int, cport: int, tap: int) -> list[str]:

@@ -36,7 +36,6 @@ from live import STARTUP_S, kill_group, listening, loaded_server, rendezvous_por
 from test_k8s import OVERLAYS, manifests, pod, render
 
 from codraft.client import CodraftClient
-from codraft.client.prom import acceptance_by_version
 
 pytestmark = pytest.mark.vllm
 
@@ -201,7 +200,7 @@ def test_the_rendered_learner_publishes_to_a_real_server(overlay: str, server: d
 
 
 def test_acceptance_climbed_over_the_run(server: dict) -> None:
-    acc = acceptance_by_version(server["client"].metrics())
+    acc = server["client"].stats().acceptance_lengths()
     learned = [a for v, a in acc.items() if v >= 1]
     assert learned, acc
     assert max(learned) > acc[0], f"acceptance by version: {acc}"

@@ -68,6 +68,7 @@ CONTROL_ROUTES = [
     ("POST", "/v1/policy", {"version": 0, "path": "/nonexistent"}),
     ("GET", "/v1/tap", None),
     ("PUT", "/v1/tap", {}),
+    ("GET", "/v1/stats", None),
 ]
 
 
@@ -187,6 +188,7 @@ def test_control_routes_need_the_token_openai_routes_do_not(server: ServeProcess
         ("POST", "/v1/policy"): 409,  # version 0 is not newer
         ("GET", "/v1/tap"): 200,
         ("PUT", "/v1/tap"): 200,  # nothing changed
+        ("GET", "/v1/stats"): 200,
     }
     for method, path, body in CONTROL_ROUTES:
         r = httpx.request(method, base + path, json=body, headers=AUTH, timeout=30)
@@ -239,10 +241,19 @@ def test_bad_requests_are_4xx_and_never_crash(server: ServeProcess) -> None:
 
 # ------------------------------------------------------------------------------ versions
 @pytest.mark.vllm
+def _verified(server: ServeProcess, version: str) -> int:
+    r = httpx.get(f"{server.control_url}/v1/stats", headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["acceptance"].get(version, {}).get("drafts", 0)
+
+
 def test_responses_name_their_draft_version(server: ServeProcess) -> None:
     version = str(_draft_now(server)["version"])
+    before = _verified(server, version)
     r = _complete(server, PROMPTS[1])
     assert r.status_code == 200, r.text
+    # GET /v1/stats counts the verifications of a finished request at once (/metrics is cached)
+    assert _verified(server, version) > before
     assert r.headers["x-codraft-draft-version"] == version
     assert r.headers["x-codraft-policy-version"] == "0"
     # n > 1 with logprobs: vLLM's own features pass through untouched.

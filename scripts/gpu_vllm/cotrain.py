@@ -77,8 +77,6 @@ async def drive(
     """Send chat requests with `args.concurrency` in flight until the time is up."""
     import httpx
 
-    from codraft.client.prom import acceptance_by_version
-
     records: list[dict] = []
     samples: list[dict] = []
     failures: list[str] = []
@@ -119,7 +117,7 @@ async def drive(
                 await asyncio.sleep(min(args.sample_every, max(end - time.time(), 0.1)))
                 now = time.time() - t0
                 try:
-                    acc = acceptance_by_version(await asyncio.to_thread(control.metrics))
+                    acc = (await asyncio.to_thread(control.stats)).acceptance_lengths()
                     version = (await asyncio.to_thread(control.draft)).version
                 except Exception as e:
                     failures.append(f"monitor: {e!r}"[:300])

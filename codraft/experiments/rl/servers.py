@@ -68,13 +68,6 @@ class SpecCounters:
         return {v: 1.0 + self.accepted.get(v, 0.0) / n for v, n in self.drafts.items() if n > 0}
 
 
-def _by_version(metrics: dict[str, float], name: str) -> dict[int, float]:
-    prefix = f'{name}{{version="'
-    return {
-        int(k[len(prefix) :].split('"')[0]): v for k, v in metrics.items() if k.startswith(prefix)
-    }
-
-
 def _spawn(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
     f = open(log, "ab")  # noqa: SIM115 (lives as long as the process)
     return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -234,10 +227,10 @@ class CodraftArm(ArmServer):
         self.client.load_policy(version, str(path))
 
     def counters(self) -> SpecCounters:
-        m = self.client.metrics()
+        acceptance = self.client.stats().acceptance  # fresh (/metrics is cached)
         return SpecCounters(
-            _by_version(m, "codraft_draft_drafts_total"),
-            _by_version(m, "codraft_draft_accepted_tokens_total"),
+            {v: float(a.drafts) for v, a in acceptance.items()},
+            {v: float(a.accepted_tokens) for v, a in acceptance.items()},
         )
 
     def draft(self) -> dict | None:
