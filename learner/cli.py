@@ -69,6 +69,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--token-file", "--control-token-file", default=None)
     p.add_argument(
+        "--server-ca",
+        default=None,
+        metavar="CA_FILE",
+        help="online: the CA certificate (PEM file or folder) an https:// --server's certificate "
+        "is checked against (default: the system's CAs)",
+    )
+    p.add_argument(
         "--steps", type=int, default=None, help=f"stop at this step (offline: {OFFLINE_STEPS})"
     )
     p.add_argument("--max-seconds", type=float, default=None, help="online: stop after this")
@@ -274,6 +281,7 @@ def online_config_from_args(args: argparse.Namespace) -> OnlineConfig:
     return OnlineConfig(
         server=args.server,
         token=resolve_control_token(args.token, args.token_file),
+        server_ca=args.server_ca,
         tap=args.tap,
         tap_key=args.tap_key,
         tap_allowed_keys=args.tap_allowed_keys,

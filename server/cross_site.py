@@ -25,12 +25,12 @@ Refusals are `{"detail": ...}` as every control error; nothing past this layer r
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from codraft.loopback import is_loopback_host
 from codraft.server.refusal import control_refusal
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -53,13 +53,6 @@ def default_allowed_hosts(bound: str, extra: Iterable[str] = ()) -> frozenset[st
     if "*" in {h.strip() for h in extra}:
         names.add("*")
     return frozenset(n for n in names if n)
-
-
-def _is_loopback(name: str) -> bool:
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return name == "localhost" or name.endswith(".localhost")
 
 
 def _origin_netloc(origin: str) -> str | None:
@@ -107,7 +100,7 @@ class CrossSiteGuard:
             headers.setdefault(k.lower(), v)
         host = headers.get(b"host", b"").decode("latin-1")
         name = host_name(host)
-        if not self.any_host and not (name in self.allowed or _is_loopback(name)):
+        if not self.any_host and not (name in self.allowed or is_loopback_host(name)):
             allowed = ", ".join(sorted(self.allowed))
             return 403, (
                 f"Host {host[:100]!r} is not a name this server answers control requests for "

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import ipaddress
 import json
 import logging
 from dataclasses import dataclass, field, fields
@@ -19,6 +18,7 @@ from typing import Any
 
 from codraft.control_token import TOKEN_ENV, check_token_sources, resolve_control_token
 from codraft.drafters import SERVED_DRAFTERS
+from codraft.loopback import is_loopback_host
 
 log = logging.getLogger("codraft.serve")
 
@@ -117,21 +117,12 @@ class ServeConfig:
 
     def check_exposure(self, token: str | None) -> None:
         """Refuse to expose unauthenticated control routes beyond the loopback interface."""
-        if token is None and not is_loopback(self.effective_control_host):
+        if token is None and not is_loopback_host(self.effective_control_host):
             raise ValueError(
                 f"control routes would listen on {self.effective_control_host} without a token: "
                 f"set --control-token-file (or ${TOKEN_ENV}), or bind them to 127.0.0.1 "
                 "(--control-host 127.0.0.1 --control-port PORT)"
             )
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import logging
 import socket
 import ssl
 import threading
@@ -460,6 +461,8 @@ def test_control_port_serves_the_openai_ports_tls(tmp_path: Path, monkeypatch) -
     from codraft.client.client import CodraftClient
     from codraft.client.errors import CodraftConnectionError
     from codraft.client.retry import NO_RETRY
+    from codraft.learner.cli import add_arguments, online_config_from_args
+    from codraft.learner.online.daemon import control_client
     from codraft.server.serve import control_server_config
     from codraft.server.serve_config import ServeConfig
 
@@ -489,8 +492,38 @@ def test_control_port_serves_the_openai_ports_tls(tmp_path: Path, monkeypatch) -
         monkeypatch.setenv("SSL_CERT_FILE", str(cert))
         with CodraftClient(url, TOKEN, retry=NO_RETRY) as c:
             assert c.draft().version == 3
+        # the learner's client: `codraft learn --server https://... --server-ca CA`
+        monkeypatch.delenv("SSL_CERT_FILE")
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        learn = ["--server", url, "--token", TOKEN, "--target", "t", "--out", "o"]
+        cfg = online_config_from_args(parser.parse_args([*learn, "--server-ca", str(cert)]))
+        with control_client(cfg) as c:
+            assert c.draft().version == 3
+        with control_client(online_config_from_args(parser.parse_args(learn))) as c:
+            with pytest.raises(CodraftConnectionError):
+                c.draft()
     with pytest.raises(ValueError, match="CA certificates"):
         CodraftClient(url, TOKEN, verify=str(tmp_path / "missing.pem"))
+
+
+def test_the_learner_warns_when_its_token_would_cross_a_network_in_clear(caplog) -> None:
+    from codraft.learner.online.daemon import warn_plaintext_token
+
+    caplog.set_level(logging.WARNING, logger="codraft.learn")
+    for url, token in (
+        ("http://127.0.0.1:8001", TOKEN),
+        ("http://localhost:8001", TOKEN),
+        ("http://[::1]:8001", TOKEN),
+        ("https://codraft-server-control:8001", TOKEN),
+        ("http://codraft-server-control:8001", None),
+    ):
+        caplog.clear()
+        warn_plaintext_token(url, token)
+        assert not caplog.records, url
+    warn_plaintext_token("http://codraft-server-control:8001", TOKEN)
+    [record] = caplog.records
+    assert "plain http" in record.getMessage() and TOKEN not in record.getMessage()
 
 
 def _openai_stand_in() -> Any:

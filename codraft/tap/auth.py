@@ -22,13 +22,14 @@ inproc:// endpoints (which never leave the host), CURVE is on exactly when keys 
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 import zmq.auth
+
+from codraft.loopback import is_loopback_host
 
 ZAP_DOMAIN = "codraft.tap"
 PUBLIC_SUFFIX = ".key"
@@ -56,13 +57,8 @@ def is_local_endpoint(endpoint: str) -> bool:
         host = _host(part)
         if host is None:
             continue
-        if host == "localhost":
+        if is_loopback_host(host):
             continue
-        try:
-            if ipaddress.ip_address(host).is_loopback:
-                continue
-        except ValueError:
-            pass
         return False
     return True
 

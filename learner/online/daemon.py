@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
@@ -77,6 +78,7 @@ from codraft.learner.parallel.launch import ParallelConfig, init_distributed, sh
 from codraft.learner.pipeline_trainer import PipelineLearner, PipelineTrainConfig
 from codraft.learner.teacher import load_embedding
 from codraft.learner.trainer import TrainConfig, Trainer
+from codraft.loopback import is_loopback_host
 from codraft.models.config import TargetConfig
 from codraft.prepare import resolve_model
 from codraft.tap import TapExpectation, model_fingerprint
@@ -85,10 +87,34 @@ from codraft.tap.auth import TapKeys
 log = logging.getLogger("codraft.learn")
 
 
+def control_client(cfg: OnlineConfig) -> CodraftClient:
+    """The client of the server's control API: `cfg.server_ca` trusted for https (else the
+    system's CAs), a warning when the token would cross a network in clear text."""
+    warn_plaintext_token(cfg.server, cfg.token)
+    return CodraftClient(cfg.server, token=cfg.token, verify=cfg.server_ca or True)
+
+
+def warn_plaintext_token(url: str, token: str | None) -> None:
+    """Log that the control token crosses a network in clear text (an http:// URL off loopback):
+    serve the control port with TLS (`codraft serve --ssl-certfile ...`) and pass https://."""
+    u = urlsplit(url)
+    if token is None or u.scheme != "http" or is_loopback_host(u.hostname or ""):
+        return
+    log.warning(
+        "the control token goes to %s over plain http: anyone on the path can read it; serve "
+        "the control port with TLS (codraft serve --ssl-keyfile/--ssl-certfile) and give "
+        "--server https://... (--server-ca CA_FILE for a private CA)",
+        url,
+    )
+
+
 @dataclass
 class OnlineConfig:
     server: str = "http://127.0.0.1:8000"  # the control API (its own port when it has one)
     token: str | None = None
+    # an https:// server's certificate is checked against this CA file or folder (None: the
+    # system's CAs)
+    server_ca: str | None = None
     tap: str = "tcp://127.0.0.1:5557"  # bound here; servers connect
     # CURVE on the tap (codraft.tap.auth), required when `tap` leaves the host: this learner's
     # secret certificate (a *.key_secret file, or a folder holding one) and the folder of the
@@ -157,7 +183,7 @@ class OnlineLearner:
         self.pipe: PipelineLearner | None = None  # with pp > 1: this rank's stage
         self.target_dir = resolve_model(cfg.target)
         self.target_config = TargetConfig.from_pretrained(self.target_dir)
-        self.client = client or CodraftClient(cfg.server, token=cfg.token)
+        self.client = client or control_client(cfg)
         self.publisher = Publisher(self.client)
         background = cfg.publish_in_background and self.main
         self.publishing = PublishThread(self._timed_publish) if background else None
