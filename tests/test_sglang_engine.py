@@ -480,6 +480,19 @@ def test_codraft_serve_routes_reach_the_engine_over_its_control_socket(setup, mo
         ) != "1" and time.monotonic() < deadline:
             time.sleep(0.05)
         assert policy == "1"
+        # undefined target weights: generation refused at the edge, the way to mend them open
+        s.engine.policy_broken = "the restore of policy v1 failed: load a policy or restart"
+        while httpx.post(f"{base}/v1/completions", json={}).status_code != 503:
+            assert time.monotonic() < deadline + 10, "the gate never closed"
+            time.sleep(0.05)
+        r = httpx.post(f"{base}/v1/completions", json={})
+        assert "load a policy" in r.json()["error"]["message"] and r.headers["retry-after"]
+        assert client.ready().ready is False
+        assert httpx.post(f"{base}/v1/policy", json={}).status_code == 401  # reached the route
+        s.engine.policy_broken = None
+        while httpx.post(f"{base}/v1/completions", json={}).status_code != 200:
+            assert time.monotonic() < deadline + 20, "the gate never opened"
+            time.sleep(0.05)
         client.close()
 
 

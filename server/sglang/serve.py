@@ -9,10 +9,13 @@ SGLang's HTTP server (`sglang.srt.entrypoints.http_server`, its OpenAI routes, s
 * codraft's engine in the scheduler process (codraft.server.sglang.plugin, enabled through the
   environment), reached over codraft's own control socket (codraft.server.sglang.rpc);
 * codraft's control routes (/v1/draft, /v1/draft/prepare, /v1/draft/rollback,
-  /v1/draft/digest, /v1/policy, /v1/tap) in front of SGLang's routes, or on a port of their own
-  with --control-port (a second server in SGLang's event loop, started and stopped with SGLang's
-  app); /ready and /metrics on the OpenAI port either way; the X-Codraft-Draft-Version /
-  X-Codraft-Policy-Version headers on /v1/completions and /v1/chat/completions.
+  /v1/draft/digest, /v1/policy, /v1/tap, /v1/stats) in front of SGLang's routes, or on a port
+  of their own with --control-port (a second server in SGLang's event loop, started and stopped
+  with SGLang's app); /ready and /metrics on the OpenAI port either way; the
+  X-Codraft-Draft-Version / X-Codraft-Policy-Version headers on /v1/completions and
+  /v1/chat/completions; the policy gate (codraft.server.policy_gate: 503 for generation while
+  the target's weights are undefined, SGLang's weight routes exempt). SGLang's own --api-key
+  guards its routes.
 
 What the vLLM engine has and this one does not yet: vLLM's RL weight-sync routes, draft
 preparation in the background (`POST /v1/draft/prepare` reads and checks between two batches;
@@ -205,6 +208,7 @@ def install_codraft(
     bounds of `cfg` (codraft.server.limits)."""
     from codraft.server.api import CONTROL_PATHS, EngineControl
     from codraft.server.metrics import MetricsEndpoint, sglang_registry
+    from codraft.server.policy_gate import PolicyGate
     from codraft.server.serve import (
         Dispatch,
         VersionHeaders,
@@ -220,10 +224,24 @@ def install_codraft(
     here = {"/ready", "/metrics"} | (set(CONTROL_PATHS) if control_sock is None else set())
     app.add_middleware(Dispatch, side=capp, paths=frozenset(here))
     app.add_middleware(VersionHeaders, control=control)
+    app.add_middleware(PolicyGate, control=control, exempt=CONTROL_PATHS | SGLANG_WEIGHT_PATHS)
     app.router.lifespan_context = _lifespan(
         app.router.lifespan_context, control, capp, control_sock, cfg, server_args
     )
     return control
+
+
+# SGLang's routes that mend or move the target's weights: they pass the policy gate (a broken
+# policy is fixed through them as through codraft's POST /v1/policy)
+SGLANG_WEIGHT_PATHS = frozenset(
+    {
+        "/update_weights_from_disk", "/update_weights_from_tensor",
+        "/update_weights_from_distributed", "/update_weights_from_ipc",
+        "/init_weights_update_group", "/destroy_weights_update_group",
+        "/release_memory_occupation", "/resume_memory_occupation", "/flush_cache",
+        "/get_weights_by_name", "/pause_generation", "/continue_generation",
+    }
+)  # fmt: skip
 
 
 def _control_args(server_args) -> argparse.Namespace:
