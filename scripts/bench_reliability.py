@@ -11,8 +11,9 @@ publishing, then, in this order:
    rollback every 15 s. Greedy responses against vLLM without speculation, token for token;
    sampled log-probs against the target's own (transformers, fp32); every response's
    X-Codraft-Draft-Version against the versions that served during it.
-2. security: every control route without and with a wrong token, the OpenAI routes without,
-   with a wrong and with the right API key, the probes, every listening socket, size limits,
+2. security: every control route without and with a wrong token, every route of the OpenAI
+   port's schema without and with a wrong API key (and the main ones with the right one),
+   cross-site requests, the probes under 300 idle sockets, every listening socket, size limits,
    a scan of the network code for pickle.
 3. checkpoints: broken draft checkpoints POSTed, the old draft serving after each.
 4. fuzz: schemathesis (every check) on the control port's /openapi.json.
@@ -154,7 +155,14 @@ def summary(r: dict) -> dict:
     if "security" in r:
         sec = r["security"]
         s["security"] = {
-            k: sec[k] for k in ("control_all_401", "openai_key_enforced", "all_loopback")
+            k: sec[k]
+            for k in (
+                "control_all_401",
+                "openai_key_enforced",
+                "all_loopback",
+                "cross_site_refused",
+                "probes_answered_under_slowloris",
+            )
         }
         s["security"]["pickle_findings"] = sec["pickle"]["findings"]
     if "checkpoints" in r:

@@ -11,6 +11,7 @@ Needs root and `ip` (iproute2); `available()` says whether this machine has them
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -44,6 +45,7 @@ class Pod:
     ip: str
     netns: str
     hosts: dict[str, str] = field(default_factory=dict)  # DNS name -> address
+    host_link: str = ""  # its veth's end on the node's bridge
 
     def command(self, argv: list[str]) -> list[str]:
         """`argv` run inside this pod: its network namespace, its hostname."""
@@ -51,11 +53,15 @@ class Pod:
                 f'hostname "{self.name}" && exec "$@"', "sh", *argv]  # fmt: skip
 
 
+_NODES = itertools.count()
+
+
 class Node:
     """A bridge and pods on it; `close()` removes every namespace, link and hosts file."""
 
     def __init__(self, tag: str | None = None) -> None:
-        self.tag = tag or str(os.getpid() % 100_000)
+        # unique per Node: a namespace whose last process has not exited yet keeps its veth
+        self.tag = tag or f"{os.getpid() % 1000}{next(_NODES)}"
         self.bridge = f"cdkbr{self.tag}"[:15]
         self.pods: list[Pod] = []
         _ip("link", "add", self.bridge, "type", "bridge")
@@ -67,6 +73,7 @@ class Node:
         pod = Pod(name, f"{SUBNET}.{i}", f"cdk{self.tag}-{i}")
         host, peer = f"cdkh{self.tag}{i}"[:15], f"cdkp{self.tag}{i}"[:15]
         _ip("netns", "add", pod.netns)
+        pod.host_link = host
         self.pods.append(pod)
         _ip("link", "add", host, "type", "veth", "peer", "name", peer)
         _ip("link", "set", peer, "netns", pod.netns)
@@ -89,5 +96,6 @@ class Node:
     def close(self) -> None:
         for pod in self.pods:
             subprocess.run(["ip", "netns", "del", pod.netns], capture_output=True)
+            subprocess.run(["ip", "link", "del", pod.host_link], capture_output=True)
             shutil.rmtree(Path("/etc/netns") / pod.netns, ignore_errors=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)

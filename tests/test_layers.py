@@ -40,6 +40,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "codraft.draft",
         "codraft.drafters",
         "codraft.ipc_handles",
+        "codraft.loopback",
         "codraft.models",
         "codraft.prepare",
         "codraft.prompts",

@@ -1,11 +1,15 @@
 """Security, measured on the running processes: every control route without and with a wrong
-token, the OpenAI routes without and with a wrong API key, the probes, what listens where, which
-request sizes are refused, and where pickle could reach the network."""
+token, every route of the OpenAI port (as its own /openapi.json lists them) without and with a
+wrong API key, requests a web page could send, the probes while hundreds of idle sockets hold the
+OpenAI port, what listens where, which request sizes are refused, and where pickle could reach
+the network."""
 
 from __future__ import annotations
 
 import ast
+import re
 import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -26,7 +30,10 @@ ROUTES = [
     ("POST", "/v1/policy", {"version": 1, "path": "/x"}),
     ("GET", "/v1/tap", None),
     ("PUT", "/v1/tap", {"enabled": False}),
+    ("GET", "/v1/draft/digest", None),
+    ("GET", "/v1/stats", None),
 ]
+OPEN = {"/health", "/ready", "/metrics"}  # probes and scrapers carry no credentials
 
 
 def control_auth(stack: Stack) -> list[dict]:
@@ -47,25 +54,88 @@ def control_auth(stack: Stack) -> list[dict]:
 
 
 def openai_auth(stack: Stack) -> list[dict]:
+    """Every path and method of the OpenAI port's own schema, without and with a wrong key
+    (401 expected but on the probes), and the three main routes with the right key (200)."""
+    key = {"Authorization": f"Bearer {API_KEY}"}
     body = {"model": str(stack.model), "prompt": "Hi", "max_tokens": 2}
     chat = {
         "model": str(stack.model),
         "messages": [{"role": "user", "content": "Hi"}],
         "max_tokens": 2,
     }
+    good = {"/v1/models": None, "/v1/completions": body, "/v1/chat/completions": chat}
     rows = []
     with httpx.Client(base_url=stack.url, timeout=120) as c:
-        for method, path, payload in (
-            ("GET", "/v1/models", None),
-            ("POST", "/v1/completions", body),
-            ("POST", "/v1/chat/completions", chat),
-        ):
-            row = {"route": f"{method} {path}"}
-            for name, key in (("no key", None), ("wrong key", "wrong"), ("right key", API_KEY)):
-                headers = {"Authorization": f"Bearer {key}"} if key else {}
-                row[name] = c.request(method, path, json=payload, headers=headers).status_code
-            rows.append(row)
+        schema = c.get("/openapi.json", headers=key).json()
+        for path, ops in sorted(schema["paths"].items()):
+            concrete = re.sub(r"\{[^}]+\}", "x", path)
+            for method in sorted(m.upper() for m in ops if m in ("get", "post", "put", "delete")):
+                row = {"route": f"{method} {path}"}
+                for name, headers in (("no key", {}), ("wrong key", {"Authorization": "Bearer x"})):
+                    r = c.request(method, concrete, json={} if method != "GET" else None,
+                                  headers=headers)  # fmt: skip
+                    row[name] = r.status_code
+                if path in good:
+                    row["right key"] = c.request(
+                        method, path, json=good[path], headers=key
+                    ).status_code
+                row["open"] = path in OPEN
+                rows.append(row)
     return rows
+
+
+def cross_site(stack: Stack) -> list[dict]:
+    """What a web page in a browser on this machine can send to the control port: a simple form
+    POST (text/plain, no preflight) from another origin, and a rebound Host."""
+    rows = []
+    sends = (
+        ("form POST from another origin", {"Origin": "http://evil.example",
+                                           "Content-Type": "text/plain"}),
+        ("JSON POST from another origin", {"Origin": "http://evil.example",
+                                           "Content-Type": "application/json"}),
+        ("form POST, same origin, no token", {"Content-Type": "text/plain"}),
+    )  # fmt: skip
+    for name, headers in sends:
+        r = httpx.post(f"{stack.control_url}/v1/draft/rollback", content=b"{}", headers={
+            **headers, "Authorization": f"Bearer {TOKEN}"} if "same" not in name else headers,
+            timeout=30)  # fmt: skip
+        rows.append({"request": name, "status": r.status_code})
+    return rows
+
+
+def idle_sockets(stack: Stack, n: int = 300, hold_s: float = 3.0) -> dict:
+    """`n` connections to the OpenAI port that send half a request line and then nothing
+    (slowloris); meanwhile the control port's probes and a control route must still answer."""
+    host, port = stack.url.rsplit("//", 1)[1].rsplit(":", 1)
+    held = []
+    for _ in range(n):
+        s = socket.create_connection((host, int(port)), timeout=5)
+        s.sendall(b"GET /v1/models HT")
+        held.append(s)
+    t0 = time.monotonic()
+    answers = {}
+    while time.monotonic() - t0 < hold_s:
+        for path in ("/health", "/ready", "/v1/draft"):
+            t = time.monotonic()
+            r = httpx.get(f"{stack.control_url}{path}", timeout=30,
+                          headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+            a = answers.setdefault(path, {"answered": 0, "status": set(), "slowest_s": 0.0})
+            a["answered"] += 1
+            a["status"].add(r.status_code)
+            a["slowest_s"] = max(a["slowest_s"], time.monotonic() - t)
+    closed = 0
+    for s in held:  # the header timeout closes them from the server's side
+        s.settimeout(30)
+        try:
+            closed += s.recv(1) == b""
+        except OSError:
+            closed += 1
+        s.close()
+    return {
+        "idle_sockets": n,
+        "closed_by_the_server": closed,
+        "during": {p: {**a, "status": sorted(a["status"])} for p, a in answers.items()},
+    }
 
 
 def probes(stack: Stack) -> dict[str, int]:
@@ -226,12 +296,21 @@ def run(stack: Stack, repo: Path) -> dict:
     control = control_auth(stack)
     openai = openai_auth(stack)
     sockets = listening(stack)
+    sites = cross_site(stack)
+    slow = idle_sockets(stack)
     return {
         "control_routes": control,
         "control_all_401": all(r["no token"] == r["wrong token"] == 401 for r in control),
         "openai_routes": openai,
         "openai_key_enforced": all(
-            r["no key"] == r["wrong key"] == 401 and r["right key"] == 200 for r in openai
+            (r["no key"] == r["wrong key"] == 401) != r["open"] and r.get("right key", 200) == 200
+            for r in openai
+        ),
+        "cross_site": sites,
+        "cross_site_refused": all(r["status"] in (401, 403, 415) for r in sites),
+        "slowloris": slow,
+        "probes_answered_under_slowloris": all(
+            a["status"] == [200] for a in slow["during"].values()
         ),
         "probes": probes(stack),
         "listening": sockets,
