@@ -114,7 +114,7 @@ class Stats(_Reply):
     swaps: int | None = None
     rollbacks: int | None = None
     auto_rollbacks: int | None = None
-    tap: dict | None = None
+    tap: TapStats | None = None
 
     def acceptance_lengths(self) -> dict[int, float]:
         """Mean tokens emitted per verification, by draft version (those verified at all)."""

@@ -643,9 +643,7 @@ def checked_path(control: EngineControl, path: str) -> str:
 
 async def draft_state(control: EngineControl) -> dict:
     """The loaded draft (codraft_info) with the acceptance stats of its version."""
-    info, stats = await asyncio.gather(
-        control.info(), control.rpc("codraft_stats", timeout=control.settings.probe_timeout_s)
-    )
+    info, stats = await asyncio.gather(control.info(), control.refresh_stats())
     draft = dict(info.get("draft") or {})
     acceptance = stats.get("acceptance") or {}
     draft["acceptance"] = acceptance.get(str(draft.get("version")))
@@ -761,9 +759,7 @@ def control_router(control: EngineControl, auth: Callable[..., Awaitable[None]])
     @r.get("/v1/tap", **_documented(TapReply))
     async def get_tap() -> dict:
         """The tap settings and its counters."""
-        info, stats = await asyncio.gather(
-            control.info(), control.rpc("codraft_stats", timeout=control.settings.probe_timeout_s)
-        )
+        info, stats = await asyncio.gather(control.info(), control.refresh_stats())
         return {**(info.get("tap") or {}), "stats": stats.get("tap") or {}}
 
     @r.get("/v1/stats", **_documented(StatsReply))

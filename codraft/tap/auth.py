@@ -55,11 +55,8 @@ def is_local_endpoint(endpoint: str) -> bool:
         if not part:
             continue
         host = _host(part)
-        if host is None:
-            continue
-        if is_loopback_host(host):
-            continue
-        return False
+        if host is not None and not is_loopback_host(host):
+            return False
     return True
 
 
